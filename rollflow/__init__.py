@@ -1,0 +1,3 @@
+"""rollflow: reinforcement-learning post-training for LLMs."""
+
+__version__ = "0.1.0"

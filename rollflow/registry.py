@@ -1,0 +1,78 @@
+"""Name -> implementation registries (losses, advantages, engines, backends, envs, rewards).
+
+Plain Python with no imports from the rest of rollflow, so every folder may use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(KeyError):
+    """An unknown registry name. The message lists the valid names and the nearest match."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain.
+        return str(self.args[0])
+
+
+class Registry(Generic[T]):
+    """A named collection of implementations.
+
+    Args:
+        kind: what the registry holds, used in error messages ("advantage estimator").
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator that registers `obj` under `name`; a duplicate name is an error."""
+
+        def decorator(obj: T) -> T:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = obj
+            return obj
+
+        return decorator
+
+    def get(self, name: str) -> T:
+        """Return the implementation for `name`, or raise `UnknownNameError` naming the valid ones."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UnknownNameError(self.unknown_message(name)) from None
+
+    def unknown_message(self, name: str) -> str:
+        valid = sorted(self._entries)
+        near = difflib.get_close_matches(name, valid, n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        return f"unknown {self.kind} {name!r}.{hint} Valid: {', '.join(valid)}"
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def import_object(spec: str):
+    """Import `package.module:attribute` and return the attribute."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
