@@ -1,0 +1,59 @@
+"""Pure-torch RL algorithms: advantage estimators, policy losses, KL estimators, loss aggregation.
+
+Implementations are chosen by name from the four registries; importing this package registers them all.
+Shapes: B samples, T response tokens (right-padded), `mask` [B, T] float 1.0 on trained tokens,
+`group_ids` [B] long. See docs/algorithms.md for the formulas and defaults.
+"""
+
+from rollflow.algorithms.advantages import AdvantageInputs
+from rollflow.algorithms.aggregation import LossNormalizer, aggregate_loss, loss_normalizer
+from rollflow.algorithms.corrections import masked_is, train_infer_correction, truncated_is_weights
+from rollflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from rollflow.algorithms.policy_losses import PolicyLossInputs, entropy_from_logits
+from rollflow.algorithms.registries import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    check_hyperparams,
+)
+from rollflow.algorithms.reward_shaping import (
+    RunningMoments,
+    clip_advantages,
+    clip_rewards,
+    difficulty_mask,
+    normalize_rewards,
+    overlong_filter_mask,
+    overlong_reward_penalty,
+    whiten,
+)
+from rollflow.algorithms.value_loss import clipped_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "FixedKLController",
+    "LossNormalizer",
+    "PolicyLossInputs",
+    "RunningMoments",
+    "aggregate_loss",
+    "check_hyperparams",
+    "clip_advantages",
+    "clip_rewards",
+    "clipped_value_loss",
+    "difficulty_mask",
+    "entropy_from_logits",
+    "kl_penalty",
+    "loss_normalizer",
+    "masked_is",
+    "normalize_rewards",
+    "overlong_filter_mask",
+    "overlong_reward_penalty",
+    "train_infer_correction",
+    "truncated_is_weights",
+    "whiten",
+]
