@@ -1,0 +1,38 @@
+"""Reward functions: `fn(completion: str, **row) -> float | dict[str, float]`, picked by name or dotted path.
+
+Importing this package registers the built-in rewards in `REWARD_FUNCTIONS`: `math_answer`,
+`exact_match`, `boxed_format`, `length_penalty`, `code_tests` and `instruction_rules`.
+"""
+
+from rollflow.rewards.code import code_tests
+from rollflow.rewards.combine import combine_rewards
+from rollflow.rewards.math import boxed_format, exact_match, length_penalty, math_answer
+from rollflow.rewards.registry import (
+    REWARD_FUNCTIONS,
+    MissingColumnError,
+    RewardLoadError,
+    require_column,
+    resolve_reward,
+)
+from rollflow.rewards.rules import INSTRUCTION_RULES, instruction_rules
+from rollflow.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult, detect_isolation
+
+__all__ = [
+    "INSTRUCTION_RULES",
+    "REWARD_FUNCTIONS",
+    "MissingColumnError",
+    "RewardLoadError",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxResult",
+    "boxed_format",
+    "code_tests",
+    "combine_rewards",
+    "detect_isolation",
+    "exact_match",
+    "instruction_rules",
+    "length_penalty",
+    "math_answer",
+    "require_column",
+    "resolve_reward",
+]

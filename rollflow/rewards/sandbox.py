@@ -1,0 +1,592 @@
+"""Run model-written programs in a contained subprocess.
+
+What one execution gets, at the strongest isolation level ("bwrap", bubblewrap):
+
+* fresh network, pid, ipc, uts and cgroup namespaces: no network at all (not even the host's loopback), no
+  view of or signal to any process outside, and when the sandbox's init dies the kernel kills everything
+  inside, so nothing can outlive the run;
+* a read-only view of `/usr` and the Python installation only, a private tmpfs `/tmp`, a clean
+  environment, and a private working directory (bound at `/work`) that is deleted afterwards;
+* a fresh unprivileged uid per run (when rollflow runs as root): the program holds no capabilities,
+  and RLIMIT_NPROC binds, which it never does for root; rlimits on CPU time, address space, file size,
+  open files and core dumps;
+* a cgroup (v1 pids + memory, or v2) capping the total task count and memory of the whole run, when the
+  cgroup hierarchy is writable;
+* a wall-time limit and an output-size limit enforced by the caller, and a final sweep that SIGKILLs every
+  process of the run's uid and of its cgroup.
+
+Fallbacks, chosen once per process by `detect_isolation()` and announced with a loud warning:
+"unshare" (util-linux `unshare` as root: network, pid, ipc, uts and mount namespaces, private tmpfs over
+`/tmp` and `/dev/shm`, but the rest of the file system is visible, protected only by the unprivileged uid)
+and "rlimits" (a plain subprocess with rlimits and a new session: no network or file-system isolation,
+and without root no way to sweep escaped descendants). Set `require_isolation` to refuse to run below a
+level instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from rollflow.rewards.sandbox_cgroup import RunCgroup
+
+logger = logging.getLogger(__name__)
+
+Isolation = Literal["bwrap", "unshare", "rlimits"]
+ISOLATION_LEVELS: tuple[Isolation, ...] = ("rlimits", "unshare", "bwrap")  # weakest first
+SANDBOX_UID_RANGE = (1 << 20, 1 << 30)  # fresh uids are drawn from here; no real user lives there
+SANDBOX_WORKDIR = "/work"  # where the private working directory appears inside a bwrap sandbox
+CGROUP_PREFIX = "rollflow-sandbox-"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits for one execution.
+
+    Attributes:
+        wall_time_s: the caller kills the run after this many seconds.
+        cpu_time_s: RLIMIT_CPU per process (SIGXCPU, then SIGKILL one second later).
+        memory_bytes: RLIMIT_AS per process and, with a cgroup, the memory cap of the whole run.
+        max_processes: processes + threads the program may have at once (RLIMIT_NPROC and `pids.max`).
+        max_output_bytes: stdout and stderr are each cut here, and the run is killed.
+        max_file_bytes: RLIMIT_FSIZE: the largest file the program may write.
+        max_open_files: RLIMIT_NOFILE.
+        tmp_bytes: size of the private tmpfs `/tmp` (bwrap), counted against the memory cgroup too.
+    """
+
+    wall_time_s: float = 10.0
+    cpu_time_s: float = 10.0
+    memory_bytes: int = 512 << 20
+    max_processes: int = 32
+    max_output_bytes: int = 1 << 20
+    max_file_bytes: int = 16 << 20
+    max_open_files: int = 64
+    tmp_bytes: int = 64 << 20
+
+
+@dataclass
+class SandboxResult:
+    """The outcome of one execution.
+
+    Attributes:
+        returncode: the program's exit status (negative: killed by that signal); None when the caller
+            killed it (wall time or output limit).
+        stdout: captured standard output, at most `max_output_bytes`.
+        stderr: captured standard error, at most `max_output_bytes`.
+        timed_out: the wall-time limit or the CPU-time limit ended the run.
+        output_limited: the program wrote more than `max_output_bytes` and was killed.
+        wall_time_s: how long the run took.
+        isolation: the isolation level it ran under.
+        uid: the private uid the program ran as (root callers only; else the caller's uid).
+    """
+
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    output_limited: bool
+    wall_time_s: float
+    isolation: Isolation
+    uid: int
+
+    @property
+    def ok(self) -> bool:
+        """The program exited with status 0 within every limit."""
+        return self.returncode == 0 and not self.timed_out and not self.output_limited
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The required isolation level is not available on this machine."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Isolation probing (once per process).
+
+
+def _probe(argv: list[str]) -> bool:
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=20, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def detect_isolation() -> Isolation:
+    """The strongest isolation level that works here; warns loudly when it is not "bwrap".
+
+    Returns:
+        "bwrap", "unshare" or "rlimits".
+    """
+    bwrap = shutil.which("bwrap")
+    if bwrap and _probe([bwrap, *_bwrap_namespace_args(), "--ro-bind", "/", "/", "--", "/bin/true"]):
+        return "bwrap"
+    unshare = shutil.which("unshare")
+    if os.geteuid() == 0 and unshare and _probe([unshare, *_UNSHARE_ARGS, "/bin/true"]):
+        level: Isolation = "unshare"
+        detail = "file system visible to the program (only the unprivileged uid protects it)"
+    else:
+        level = "rlimits"
+        detail = "NO network, file-system or pid isolation; escaped descendants may survive"
+    message = (
+        f"rollflow sandbox: bubblewrap is unavailable, running model-written code with weaker isolation "
+        f"({level!r}: {detail}). Install it: apt-get install -y bubblewrap"
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return level
+
+
+def _bwrap_namespace_args() -> list[str]:
+    return [
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",  # the sandbox dies with the caller
+        "--new-session",  # no controlling terminal: no TIOCSTI injection into the caller's tty
+    ]
+
+
+_UNSHARE_ARGS = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sandbox.
+
+
+class Sandbox:
+    """Runs programs under `limits`, at most `max_parallel` at a time (across all calling threads).
+
+    Args:
+        limits: default limits for each execution.
+        max_parallel: executions allowed at once; further callers wait.
+        isolation: "auto" (the strongest available) or a specific level.
+        require_isolation: refuse to run (SandboxUnavailableError) below this level.
+        python: the interpreter that `"python"` in an argv stands for.
+        site_packages: let Python programs import installed packages (slower start: site is loaded).
+        workdir_root: where the private working directories are made (default: the system temp dir).
+    """
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        max_parallel: int | None = None,
+        isolation: Isolation | Literal["auto"] = "auto",
+        require_isolation: Isolation = "rlimits",
+        python: str = sys.executable,
+        site_packages: bool = False,
+        workdir_root: str | None = None,
+    ):
+        self.limits = limits or SandboxLimits()
+        self.max_parallel = max_parallel or max(1, os.cpu_count() or 1)
+        self.isolation: Isolation = detect_isolation() if isolation == "auto" else isolation
+        if ISOLATION_LEVELS.index(self.isolation) < ISOLATION_LEVELS.index(require_isolation):
+            raise SandboxUnavailableError(
+                f"sandbox isolation {self.isolation!r} is weaker than the required {require_isolation!r}; "
+                f"install bubblewrap (apt-get install -y bubblewrap)"
+            )
+        self.python = os.path.realpath(python)
+        self.python_prefix = os.path.realpath(sys.base_prefix)
+        self.site_packages = site_packages
+        self.workdir_root = workdir_root
+        self._slots = threading.BoundedSemaphore(self.max_parallel)
+        self._executor = ThreadPoolExecutor(self.max_parallel, thread_name_prefix="rollflow-sandbox")
+        # Run the program under a fresh unprivileged uid when we can: always under bwrap (which shows it the
+        # interpreter at a readable path); at weaker levels only if other users can reach the interpreter.
+        self._drop_uid = os.geteuid() == 0 and (
+            self.isolation == "bwrap" or _reachable_by_others(self.python)
+        )
+        if os.geteuid() == 0 and not self._drop_uid:
+            message = (
+                f"rollflow sandbox: {self.python} is not readable by other users, so programs run as root at "
+                f"isolation {self.isolation!r}; only a cgroup (if writable) bounds their process count"
+            )
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def map(self, fn: Callable[[T], SandboxResult], items: Iterable[T]) -> list[SandboxResult]:
+        """Run `fn(item)` (which calls `run` once) for every item, `max_parallel` at a time, in order.
+
+        Args:
+            fn: makes one execution from an item, e.g. `lambda src: sandbox.run_python(src)`.
+            items: the work.
+
+        Returns:
+            The results in the order of `items`.
+        """
+        return list(self._executor.map(fn, items))
+
+    def submit(self, fn: Callable[..., SandboxResult], *args, **kwargs):
+        """Schedule one execution on the sandbox's threads; returns a `concurrent.futures.Future`.
+
+        `fn` must not itself wait on other futures of this sandbox (that could deadlock the pool).
+        """
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def run_python(
+        self,
+        source: str,
+        stdin: bytes | str = b"",
+        files: Mapping[str, str | bytes] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
+        """Run Python `source` as `main.py` in a fresh working directory.
+
+        Args:
+            source: the program.
+            stdin: its standard input.
+            files: more files to put next to it (relative paths).
+            limits: overrides the sandbox's default limits.
+
+        Returns:
+            The result.
+        """
+        return self.run(["python", "main.py"], {"main.py": source, **(files or {})}, stdin, limits)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, str | bytes] | None = None,
+        stdin: bytes | str = b"",
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
+        """Run `argv` in a fresh private working directory holding `files`.
+
+        Args:
+            argv: the command; a first element `"python"` stands for the sandbox's interpreter, run with
+                `-E -s` (no PYTHON* variables, no user site; the script's folder stays importable) and with
+                `-S` (no site-packages) unless `site_packages`.
+            files: files to create in the working directory, by relative path.
+            stdin: standard input.
+            limits: overrides the sandbox's default limits.
+
+        Returns:
+            The result; limits being hit is reported in it, never raised.
+        """
+        limits = limits or self.limits
+        stdin = stdin.encode() if isinstance(stdin, str) else stdin
+        argv = list(argv)
+        if argv and argv[0] == "python":
+            argv = [self.python, "-E", "-s", *([] if self.site_packages else ["-S"]), *argv[1:]]
+        with self._slots:
+            return self._run(argv, files or {}, stdin, limits)
+
+    def _run(
+        self, argv: list[str], files: Mapping[str, str | bytes], stdin: bytes, limits: SandboxLimits
+    ) -> SandboxResult:
+        uid = secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0]) + SANDBOX_UID_RANGE[0]
+        workdir = tempfile.mkdtemp(prefix="rollflow-sandbox-", dir=self.workdir_root)
+        cgroup = RunCgroup(f"{CGROUP_PREFIX}{os.getpid()}-{uid}", limits, limits.max_processes + 4)
+        start = time.monotonic()
+        try:
+            _write_files(workdir, files)
+            if self._drop_uid:
+                _chown_tree(workdir, uid)
+            command = self._command(argv, workdir, uid, limits, cgroup.procs_files)
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                close_fds=True,
+                start_new_session=True,  # its own process group, so we can kill the whole group
+            )
+            stdout, stderr, timed_out, output_limited = _communicate(process, stdin, limits)
+            returncode = None if (timed_out or output_limited) else process.returncode
+            if returncode is not None and self.isolation == "bwrap" and returncode > 128:
+                returncode = -(returncode - 128)  # bwrap reports a child killed by signal N as 128 + N
+            if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and self._cpu_exhausted(limits, start):
+                timed_out = True
+            return SandboxResult(
+                returncode,
+                stdout,
+                stderr,
+                timed_out,
+                output_limited,
+                time.monotonic() - start,
+                self.isolation,
+                uid if self._drop_uid else os.getuid(),
+            )
+        finally:
+            if self._drop_uid:
+                _kill_uid(uid)
+            cgroup.kill_all()
+            cgroup.remove()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    @staticmethod
+    def _cpu_exhausted(limits: SandboxLimits, start: float) -> bool:
+        """A SIGXCPU / SIGKILL exit after at least ~the CPU limit in wall time was the CPU limit."""
+        return time.monotonic() - start >= limits.cpu_time_s * 0.9
+
+    def _command(
+        self, argv: list[str], workdir: str, uid: int, limits: SandboxLimits, procs_files: list[str]
+    ) -> list[str]:
+        """The launcher chain: [sh (join cgroup)] -> prlimit -> isolation -> [setpriv (drop to uid)] -> argv."""
+        cpu = max(1, int(limits.cpu_time_s + 0.999))
+        # RLIMIT_NPROC counts every task of the uid; the private uid has none yet, the caller's has many.
+        nproc = limits.max_processes if self._drop_uid else limits.max_processes + _count_own_tasks()
+        rlimits = [
+            "prlimit",
+            f"--cpu={cpu}:{cpu + 1}",
+            f"--as={limits.memory_bytes}",
+            f"--nproc={nproc}",
+            f"--fsize={limits.max_file_bytes}",
+            f"--nofile={limits.max_open_files}",
+            "--core=0",
+            "--",
+        ]
+        drop = (
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+                "--",
+            ]
+            if self._drop_uid
+            else []
+        )
+        if self.isolation == "bwrap":
+            inner = self._bwrap_args(workdir, limits) + drop + argv
+        elif self.isolation == "unshare":
+            # Private tmpfs over the shared writable places; the workdir is bound into the new /dev/shm
+            # first, because the new /tmp hides it (and Python opens its script by absolute path).
+            tmpfs = f"mount -t tmpfs -o size={limits.tmp_bytes},mode=1777 tmpfs"
+            script = (
+                f'{tmpfs} /dev/shm && mkdir /dev/shm/work && mount --bind "$PWD" /dev/shm/work && '
+                f'{tmpfs} /tmp && cd /dev/shm/work && export PWD=/dev/shm/work && exec "$@"'
+            )
+            inner = ["unshare", *_UNSHARE_ARGS, "/bin/sh", "-c", script, "sh", *drop, *argv]
+        else:
+            inner = drop + argv
+        command = rlimits + inner
+        if procs_files:
+            joins = " && ".join(f"echo $$ > {path}" for path in procs_files)
+            command = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *command]
+        return command
+
+    def _bwrap_args(self, workdir: str, limits: SandboxLimits) -> list[str]:
+        args = ["bwrap", *_bwrap_namespace_args(), "--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "lib", "lib64", "lib32", "sbin"):  # merged-/usr symlinks or real dirs
+            path = os.path.join("/", name)
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for bound in {self.python_prefix, os.path.dirname(os.path.dirname(self.python))}:
+            if bound.startswith("/usr/") or bound == "/usr":
+                continue
+            parts = bound.strip("/").split("/")
+            for depth in range(1, len(parts)):  # parents readable by the unprivileged uid
+                args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:depth])]
+            args += ["--ro-bind", bound, bound]
+        args += [
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+            "--bind", workdir, SANDBOX_WORKDIR,
+            "--chdir", SANDBOX_WORKDIR,
+            "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin",
+            "--setenv", "HOME", SANDBOX_WORKDIR,
+            "--setenv", "LANG", "C.UTF-8",
+            "--",
+        ]  # fmt: skip
+        return args
+
+
+def _write_files(workdir: str, files: Mapping[str, str | bytes]) -> None:
+    for relative, content in files.items():
+        path = os.path.normpath(os.path.join(workdir, relative))
+        if not path.startswith(workdir + os.sep):
+            raise ValueError(f"sandbox file path {relative!r} leaves the working directory")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+
+
+def _chown_tree(workdir: str, uid: int) -> None:
+    for root, _dirs, names in os.walk(workdir):
+        os.chown(root, uid, uid)
+        for name in names:
+            os.chown(os.path.join(root, name), uid, uid)
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user other than the owner can traverse to and execute `path` (mode bits only)."""
+    parts = os.path.realpath(path).split("/")
+    for depth in range(2, len(parts)):
+        if not os.stat("/".join(parts[:depth])).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & 0o001)
+
+
+def _count_own_tasks() -> int:
+    """Tasks (processes and threads) of our uid: RLIMIT_NPROC counts them all for a non-root user."""
+    uid, count = os.getuid(), 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes whose owner is `uid`, from /proc.
+
+    Args:
+        uid: a user id.
+
+    Returns:
+        The pids.
+    """
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except OSError:
+            continue
+        if state not in (b"Z", b"X"):
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_uid(uid: int, deadline_s: float = 10.0) -> None:
+    """SIGKILL every process of the run's private uid until none is left (or `deadline_s` passes).
+
+    `kill(-1)` from that uid reaches exactly its processes, wherever they are, in one system call; it
+    catches descendants that escaped the namespace or cgroup cleanup (or had none, at level "rlimits").
+    """
+    end = time.monotonic() + deadline_s
+    while processes_of_uid(uid) and time.monotonic() < end:
+        subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-9", "-1"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin"},
+            timeout=30,
+        )
+        time.sleep(0.005)
+
+
+def _communicate(
+    process: subprocess.Popen, stdin: bytes, limits: SandboxLimits
+) -> tuple[bytes, bytes, bool, bool]:
+    """Feed stdin and collect capped output until exit or a limit; kill the process group on a limit."""
+    assert process.stdin and process.stdout and process.stderr
+    deadline = time.monotonic() + limits.wall_time_s
+    out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
+    outputs = {out_fd: bytearray(), err_fd: bytearray()}
+    timed_out = output_limited = False
+    with selectors.DefaultSelector() as selector:
+        for fd in outputs:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        pending = memoryview(stdin)
+        if pending:
+            os.set_blocking(process.stdin.fileno(), False)
+            selector.register(process.stdin.fileno(), selectors.EVENT_WRITE)
+        else:
+            process.stdin.close()
+        open_outputs = len(outputs)
+        while open_outputs and not output_limited:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            exited = process.poll() is not None
+            events = selector.select(min(remaining, 0.05 if exited else 0.1))  # wake up to notice an exit
+            if exited and not events:
+                break  # the program is gone; a descendant that kept its pipes open is not waited for
+            for key, _ in events:
+                if key.fd in outputs:
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        open_outputs -= 1
+                        continue
+                    buffer = outputs[key.fd]
+                    buffer += chunk[: limits.max_output_bytes + 1 - len(buffer)]
+                    if len(buffer) > limits.max_output_bytes:
+                        del buffer[limits.max_output_bytes :]
+                        output_limited = True
+                else:
+                    try:
+                        written = os.write(key.fd, pending[:65536])
+                        pending = pending[written:]
+                    except OSError:  # the program closed its stdin or exited
+                        pending = pending[:0]
+                    if not pending:
+                        selector.unregister(key.fd)
+                        process.stdin.close()
+    if not (timed_out or output_limited):
+        try:  # both outputs are closed; the program may still be running
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    if timed_out or output_limited:
+        _kill_group(process)
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if not pipe.closed:
+            pipe.close()
+    return bytes(outputs[out_fd]), bytes(outputs[err_fd]), timed_out, output_limited
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.kill()
+    except ProcessLookupError:
+        pass
+
+
+_default: Sandbox | None = None
+_default_lock = threading.Lock()
+
+
+def default_sandbox() -> Sandbox:
+    """The process-wide sandbox with default limits, created on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Sandbox()
+        return _default
