@@ -1,0 +1,145 @@
+"""`torch` training backend: one process, plain PyTorch, micro-batching with gradient accumulation.
+
+The loss function is passed in (compose, don't inherit): `loss_fn(logits, micro_batch, normalizer) ->
+(loss, metrics)`, where `loss` is the micro-batch's contribution to the global loss (see
+`rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rollflow.algorithms import LossNormalizer, loss_normalizer
+from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
+from rollflow.data.sample import Batch
+from rollflow.models import load_causal_lm, load_tokenizer
+
+LossFn = Callable[[torch.Tensor, Batch, LossNormalizer], tuple[torch.Tensor, dict[str, float]]]
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """LR factor at optimizer step `step` (0-based): linear warm-up, then constant or cosine to 0."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TorchBackend:
+    """Holds the model, optimizer and LR schedule of one training worker.
+
+    Args:
+        model_path: bundled name, local HF directory or hub id.
+        dtype: parameter dtype ("float32" on CPU).
+        lr, betas, weight_decay: AdamW settings.
+        warmup_steps: linear LR warm-up over this many optimizer steps.
+        lr_schedule: after warm-up, "constant" or "cosine" (to 0 at `total_steps`).
+        total_steps: optimizer steps in the run (for the cosine schedule).
+        max_grad_norm: gradient clipping.
+        micro_batch_size: samples per forward/backward.
+        trainable: False for a frozen reference model (no optimizer).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", lr: float = 1e-5,
+                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0, warmup_steps: int = 0,
+                 max_grad_norm: float = 1.0, micro_batch_size: int = 32, trainable: bool = True,
+                 lr_schedule: str = "constant", total_steps: int = 0,
+                 trust_remote_code: bool = False):
+        self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
+                                               weight_decay=weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
+                                                  total_steps=total_steps, schedule=lr_schedule))
+        else:
+            self.model.requires_grad_(False)
+
+    def _micro_batches(self, batch: Batch):
+        for start in range(0, batch.size, self.micro_batch_size):
+            yield batch.select(slice(start, start + self.micro_batch_size))
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Logprobs of the batch's response tokens. Returns [B, T] (0 where padded)."""
+        self.model.eval()
+        parts = []
+        for micro in self._micro_batches(batch):
+            logits = model_logits(self.model, micro)  # [b, T, V]
+            parts.append(token_logprobs(logits, response_tokens(micro), temperature) * (micro.attention_mask[
+                :, micro.prompt_length:] > 0))
+        return torch.cat(parts)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on `batch` (all micro-batches accumulated). Returns averaged metrics."""
+        assert self.optimizer is not None, "train_step on a frozen backend"
+        self.model.train()
+        normalizer = loss_normalizer(batch.response_mask)
+        total_tokens = max(float(batch.response_mask.sum()), 1.0)
+        sums: dict[str, float] = {}
+        total_loss = 0.0
+        for micro in self._micro_batches(batch):
+            logits = model_logits(self.model, micro)  # [b, T, V]
+            loss, metrics = loss_fn(logits, micro, normalizer)
+            loss.backward()
+            total_loss += float(loss.detach())
+            weight = float(micro.response_mask.sum()) / total_tokens  # token-weighted metric average
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**sums, "loss": total_loss, "grad_norm": float(grad_norm),
+                "lr": self.scheduler.get_last_lr()[0]}
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters by name, detached on CPU (tied weights appear once), for weight sync."""
+        return {name: p.detach().to("cpu").contiguous() for name, p in self.model.named_parameters()}
+
+    def offload(self) -> None:
+        """Free accelerator memory between phases (nothing to move on CPU)."""
+
+    def onload(self) -> None:
+        """Bring weights / optimizer state back (nothing to move on CPU)."""
+
+    def save(self, path: str | Path) -> None:
+        """Model + tokenizer in HF format under `path`, optimizer / scheduler / RNG in `trainer_state.pt`."""
+        path = Path(path)
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        state = {
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        torch.save(state, path / "trainer_state.pt")
+        (path / "rollflow_checkpoint.json").write_text(json.dumps({"format": 1}))
+
+    def load(self, path: str | Path) -> None:
+        """Restore what `save` wrote (weights, optimizer, scheduler, RNG)."""
+        path = Path(path)
+        loaded = load_causal_lm(str(path), dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        self.model.load_state_dict(loaded.state_dict())
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if self.optimizer and state["optimizer"]:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])

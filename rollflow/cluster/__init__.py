@@ -1,0 +1,1 @@
+"""Ray plumbing with no ML: runtime start-up, worker groups, weight sync."""

@@ -1,0 +1,142 @@
+"""Prompt datasets: loading rows (built-in synthetic tasks or JSONL), encoding prompts, and sampling them.
+
+A row is a dict with a `prompt` column (the user message), an optional `answer`, and any other columns;
+the whole row is passed to reward functions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollflow.data.arithmetic import ARITHMETIC_TASKS, arithmetic_splits
+from rollflow.errors import DataError
+
+Row = dict[str, Any]
+
+
+def load_rows(task: str | None = None, path: str | None = None, split: str = "train", seed: int = 0,
+              limit: int | None = None, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
+    """Load dataset rows from a built-in `task` (its `split`) or a JSONL file at `path`.
+
+    When `answer_key` is not "answer", its column is also exposed as `answer` (what rewards read).
+
+    Raises:
+        DataError: unknown task, missing / unreadable file, bad JSON line, missing prompt column, no rows.
+    """
+    if task is not None:
+        if task not in ARITHMETIC_TASKS:
+            raise DataError(ARITHMETIC_TASKS.unknown_message(task))
+        train, held_out = arithmetic_splits(task, seed=0)  # the split is fixed, independent of the run seed
+        rows = [dict(r) for r in (train if split == "train" else held_out)]
+        source = f"task {task!r}"
+    elif path is not None:
+        rows = _read_jsonl(Path(path))
+        source = str(path)
+    else:
+        raise DataError("a dataset needs a `task` or a `path`")
+    if limit is not None:
+        rows = rows[:limit]
+    if not rows:
+        raise DataError(f"dataset {source} has no rows")
+    missing = [i for i, row in enumerate(rows) if prompt_key not in row]
+    if missing:
+        raise DataError(f"dataset {source} has no {prompt_key!r} column (row {missing[0] + 1} lacks it; "
+                        f"columns: {', '.join(sorted(rows[missing[0]]))})")
+    if answer_key != "answer":
+        rows = [{**row, "answer": row[answer_key]} if answer_key in row else row for row in rows]
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: each line must be a JSON object")
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt ready for the engine: its row, rendered text and token ids."""
+
+    row: Row
+    text: str
+    token_ids: list[int]
+
+
+class PromptEncoder:
+    """Renders rows into prompt text (chat template or raw) and token ids.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        prompt_key: the row column holding the user message.
+        apply_chat_template: wrap the prompt as a user turn (when the tokenizer has a template).
+        max_prompt_tokens: longer prompts raise `DataError`.
+    """
+
+    def __init__(self, tokenizer, prompt_key: str = "prompt", apply_chat_template: bool = True,
+                 max_prompt_tokens: int = 256):
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def encode(self, row: Row) -> EncodedPrompt:
+        prompt = row[self.prompt_key]
+        if self.use_template:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = str(prompt)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_prompt_tokens:
+            raise DataError(f"a prompt has {len(ids)} tokens, over data.max_prompt_tokens="
+                            f"{self.max_prompt_tokens}: {text[:60]!r}...")
+        if not ids:
+            raise DataError(f"a prompt encodes to no tokens: {text!r}")
+        return EncodedPrompt(row, text, ids)
+
+
+class PromptSampler:
+    """Endless batches of rows, reshuffled every epoch; its `state` resumes the exact data position."""
+
+    def __init__(self, rows: list[Row], batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Row]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            batch.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order()

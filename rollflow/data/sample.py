@@ -1,0 +1,178 @@
+"""`Sample`, the one typed record that crosses the rollout -> trainer boundary, and `collate`.
+
+Token-in, token-out: the token ids a sample carries are exactly the ones the engine produced, and
+`collate` is the only place they become padded tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class SampleStatus(str, enum.Enum):
+    """How a sample's generation ended (or why it was dropped)."""
+
+    FINISHED = "finished"  # stopped at EOS / a stop string
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # aborted by the scheduler (partial rollout, over-provisioning)
+    FAILED = "failed"  # engine, env or reward error
+    FILTERED = "filtered"  # dropped by a filter (dynamic sampling, length)
+
+
+@dataclass
+class Sample:
+    """One generated sequence (RLVR) or trajectory (agentic).
+
+    Attributes:
+        prompt_ids: prompt token ids, as fed to the engine.
+        response_ids: every token after the prompt (model tokens and, in multi-turn, env/tool tokens).
+        response_logprobs: the engine's logprob of each response token (0.0 for env/tool tokens).
+        loss_mask: 1 on model-generated tokens, 0 on env/tool tokens; same length as `response_ids`.
+        policy_versions: policy version that sampled each response token (-1 for env/tool tokens).
+        group_id: samples of one prompt / env seed share it.
+        reward: the scalar training reward (weighted sum of `rewards`).
+        rewards: each reward function's value, by name (logged separately).
+        step_rewards: per-turn rewards for multi-turn trajectories.
+        domain: dataset domain / tag, for per-domain metrics and sampling.
+        status: how generation ended.
+        prompt_text / response_text: decoded text, for rewards and logs.
+        row: the dataset row (answer and any extra columns), passed to reward functions.
+        metadata: free-form extras (request id, timings, finish reason, ...).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    group_id: int = 0
+    reward: float = 0.0
+    rewards: dict[str, float] = field(default_factory=dict)
+    step_rewards: list[float] = field(default_factory=list)
+    domain: str = "default"
+    status: SampleStatus = SampleStatus.FINISHED
+    prompt_text: str = ""
+    response_text: str = ""
+    row: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if not self.loss_mask:
+            self.loss_mask = [1] * n
+        for name in ("response_logprobs", "loss_mask", "policy_versions"):
+            value = getattr(self, name)
+            if value and len(value) != n:
+                raise ValueError(f"Sample.{name} has {len(value)} entries for {n} response tokens")
+
+    @property
+    def truncated(self) -> bool:
+        return self.status == SampleStatus.TRUNCATED
+
+
+@dataclass
+class Batch:
+    """Padded tensors for B samples: prompts left-padded to P tokens, responses right-padded to T.
+
+    The sequence fed to the model is `input_ids = [prompt (left-padded) | response (right-padded)]`,
+    so response token t of every row sits at column P + t and is predicted by the logits at P + t - 1.
+
+    Attributes:
+        input_ids: [B, P + T] token ids (pad positions hold `pad_token_id`).
+        attention_mask: [B, P + T] 1 on real tokens.
+        position_ids: [B, P + T] positions counted from each row's first real token.
+        response_mask: [B, T] 1 on response tokens that are trained on (loss_mask and not padding).
+        rollout_logprobs: [B, T] the engine's logprobs (0 on padding).
+        policy_versions: [B, T] sampling policy version per token (-1 on padding / env tokens).
+        rewards: [B] scalar reward per sample.
+        group_ids: [B] group id per sample.
+        response_lengths: [B] number of response tokens (model and env), before padding.
+        truncated: [B] bool, the response hit the length limit.
+        prompt_length: P.
+        extras: other [B] / [B, T] tensors added later (advantages, old_logprobs, ref_logprobs, values).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    policy_versions: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    response_lengths: torch.Tensor
+    truncated: torch.Tensor
+    prompt_length: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask.shape[1]
+
+    def select(self, index: torch.Tensor | slice) -> Batch:
+        """Rows `index` of every tensor (used for micro-batching); padding columns are kept."""
+        fields = {
+            name: getattr(self, name)[index]
+            for name in (
+                "input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs",
+                "policy_versions", "rewards", "group_ids", "response_lengths", "truncated",
+            )
+        }
+        return Batch(**fields, prompt_length=self.prompt_length,
+                     extras={k: v[index] for k, v in self.extras.items()})
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> Batch:
+    """Turn samples into one padded `Batch`. The only place samples become tensors.
+
+    Args:
+        samples: B samples; each needs at least one response token.
+        pad_token_id: id written into padded positions (they are masked out everywhere).
+
+    Returns:
+        A `Batch` with prompts left-padded to the longest prompt and responses right-padded to the longest
+        response.
+    """
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    batch_size = len(samples)
+    prompt_width = max(len(s.prompt_ids) for s in samples)
+    response_width = max(max(len(s.response_ids) for s in samples), 1)
+    input_ids = torch.full((batch_size, prompt_width + response_width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(batch_size, response_width, dtype=torch.float32)
+    rollout_logprobs = torch.zeros(batch_size, response_width, dtype=torch.float32)
+    policy_versions = torch.full((batch_size, response_width), -1, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n_prompt, n_response = len(sample.prompt_ids), len(sample.response_ids)
+        input_ids[row, prompt_width - n_prompt : prompt_width] = torch.tensor(sample.prompt_ids)
+        attention_mask[row, prompt_width - n_prompt : prompt_width + n_response] = 1
+        if n_response:
+            input_ids[row, prompt_width : prompt_width + n_response] = torch.tensor(sample.response_ids)
+            response_mask[row, :n_response] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        if sample.response_logprobs:
+            rollout_logprobs[row, :n_response] = torch.tensor(sample.response_logprobs)
+        if sample.policy_versions:
+            policy_versions[row, :n_response] = torch.tensor(sample.policy_versions)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T]
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        policy_versions=policy_versions,
+        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+        response_lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
+        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool),
+        prompt_length=prompt_width,
+    )

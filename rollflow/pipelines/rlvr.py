@@ -1,0 +1,145 @@
+"""RLVR pipeline: generate -> reward -> advantage -> train -> sync -> eval, one step at a time.
+
+The driver (single controller) owns the loop; each role runs in its own Ray actor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from rollflow.cluster.groups import create_role_workers
+from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
+from rollflow.config import RunConfig, dump_config
+from rollflow.data.prompts import PromptEncoder, PromptSampler, load_rows
+from rollflow.data.sample import collate
+from rollflow.engines.base import SamplingParams
+from rollflow.models import load_tokenizer
+from rollflow.pipelines.rlvr_steps import (
+    check_logprob_parity,
+    compute_advantages,
+    rollout_metrics,
+    usable,
+    write_samples,
+)
+from rollflow.rewards import combine_rewards, resolve_reward
+from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.trackers import MetricsTracker
+from rollflow.trackers.plots import plot_curves
+
+
+def run_rlvr(config: RunConfig) -> dict[str, float]:
+    """Train with RL on verifiable rewards. Returns the final metrics (incl. initial/final eval accuracy)."""
+    pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
+    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+    data = config.data
+    train_rows = load_rows(data.train.task, data.train.path, data.train.split, config.seed, data.train.limit,
+                           data.prompt_key, data.answer_key)
+    eval_rows = (load_rows(data.eval.task, data.eval.path, data.eval.split, config.seed, data.eval.limit,
+                           data.prompt_key, data.answer_key) if data.eval else [])
+    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
+    eval_prompts = [encoder.encode(row) for row in eval_rows]
+    reward_fn = combine_rewards([(f.name, resolve_reward(f.name, f.kwargs), f.weight)
+                                 for f in config.reward.functions])
+    sampler = PromptSampler(train_rows, config.rollout.prompts_per_step, config.seed, data.shuffle)
+
+    run_dir = config.run_dir
+    checkpoints = run_dir / "checkpoints"
+    resume_from = _latest_checkpoint(checkpoints) if config.resume else None
+    if not resume_from and run_dir.exists():
+        for stale in ("metrics.jsonl", "samples.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+
+    start_ray(config.cluster.address, config.cluster.num_cpus)
+    workers = create_role_workers(config, with_reference=config.algorithm.kl_loss_coef > 0)
+    scheduler = RolloutScheduler(workers.actor_infer, reward_fn, _decoder(tokenizer))
+    tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
+    rollout = config.rollout
+    sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
+                              n=rollout.samples_per_prompt)
+    greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
+
+    def sync_weights() -> dict[str, float]:
+        started = time.perf_counter()
+        payload = workers.actor_train.weights_for_sync.remote()
+        versions = ray.get([w.update_weights.remote(payload) for w in workers.actor_infer])
+        nbytes = ray.get(payload)[3]
+        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": nbytes, "sync/version": versions[0]}
+
+    def evaluate() -> dict[str, float]:
+        if not eval_prompts:
+            return {}
+        return rollout_metrics(scheduler.generate(eval_prompts, greedy).samples, prefix="eval")
+
+    first_step, initial_eval = 0, {}
+    if resume_from:
+        state = json.loads((resume_from / "driver_state.json").read_text())
+        ray.get(workers.actor_train.load.remote(str(resume_from / "model"), state["step"]))
+        sampler.load_state(state["sampler"])
+        first_step, initial_eval = state["step"], state.get("initial_eval", {})
+        sync_weights()
+        tracker.print(f"resumed from {resume_from} at step {first_step}")
+    if not initial_eval:
+        initial_eval = evaluate()
+        tracker.log(first_step, initial_eval)
+        tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
+
+    metrics: dict[str, float] = {}
+    for step in range(first_step + 1, config.train.steps + 1):
+        step_started = time.perf_counter()
+        prompts = [encoder.encode(row) for row in sampler.next_batch()]
+        result = scheduler.generate(prompts, sampling)
+        samples = usable(result.samples)
+        batch = collate(samples, tokenizer.pad_token_id)
+        if workers.reference is not None:
+            batch.extras["ref_logprobs"] = ray.get(workers.reference.compute_logprobs.remote(batch))
+        metrics = {**result.metrics, **rollout_metrics(result.samples)}
+        if step == first_step + 1 and config.checks.logprob_parity_samples:
+            probe = batch.select(slice(0, config.checks.logprob_parity_samples))
+            trainer_logprobs = ray.get(workers.actor_train.compute_logprobs.remote(probe))
+            metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
+                probe, trainer_logprobs, config.checks.logprob_parity_tolerance)
+        metrics.update(compute_advantages(batch, config.algorithm))
+        metrics.update(ray.get(workers.actor_train.train.remote(batch)))
+        metrics.update(sync_weights())
+        if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
+            metrics.update(evaluate())
+        metrics["time/step"] = time.perf_counter() - step_started
+        tracker.log(step, metrics)
+        write_samples(run_dir / "samples.jsonl", step, result.samples, config.output.samples_logged_per_step)
+        if step == config.train.steps or config.output.save_every_steps and step % config.output.save_every_steps == 0:
+            _save_checkpoint(checkpoints / f"step_{step}", workers.actor_train, step, sampler, initial_eval)
+
+    final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
+    if "eval/accuracy" in final and "initial_eval/accuracy" in final:
+        tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
+                      f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
+    tracker.close()
+    plot_curves(run_dir)
+    stop_ray()
+    return final
+
+
+def _save_checkpoint(path: Path, actor_train, step: int, sampler: PromptSampler, initial_eval: dict) -> None:
+    """Model (HF format) + optimizer/RNG from the trainer; step, data position from the driver."""
+    path.mkdir(parents=True, exist_ok=True)
+    ray.get(actor_train.save.remote(str(path / "model")))
+    state = {"step": step, "sampler": sampler.state(), "initial_eval": initial_eval}
+    (path / "driver_state.json").write_text(json.dumps(state))
+
+
+def _latest_checkpoint(checkpoints: Path) -> Path | None:
+    done = [p for p in checkpoints.glob("step_*") if (p / "driver_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def _decoder(tokenizer):
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    return decode

@@ -1,0 +1,1 @@
+"""Thin Ray actors, one per role. Each holds a backend or an engine behind a small interface."""

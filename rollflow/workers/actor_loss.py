@@ -1,0 +1,69 @@
+"""The actor's loss: a policy loss + optional KL-to-reference and entropy terms, aggregated globally.
+
+Built from the algorithm config's registry names; the math lives in `rollflow.algorithms`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollflow.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    LossNormalizer,
+    PolicyLossInputs,
+    entropy_from_logits,
+)
+from rollflow.backends.logprobs import response_tokens, token_logprobs
+from rollflow.config import AlgorithmConfig
+from rollflow.data.sample import Batch
+
+
+class ActorLoss:
+    """`loss_fn(logits, micro_batch, normalizer) -> (loss, metrics)` for `TorchBackend.train_step`.
+
+    Needs `micro_batch.extras["advantages"]` [b, T]; uses `extras["old_logprobs"]` when present (several
+    optimizer steps per RL step) and the current logprobs, detached, otherwise (one step: ratio == 1);
+    `extras["ref_logprobs"]` when `kl_loss_coef > 0`.
+    """
+
+    def __init__(self, algorithm: AlgorithmConfig, temperature: float):
+        self.policy_loss = POLICY_LOSSES.get(algorithm.policy_loss)
+        self.policy_loss_kwargs = dict(algorithm.policy_loss_kwargs)
+        self.aggregation = LOSS_AGGREGATIONS.get(algorithm.loss_aggregation)
+        self.kl = KL_ESTIMATORS.get(algorithm.kl_estimator) if algorithm.kl_loss_coef > 0 else None
+        self.kl_coef = algorithm.kl_loss_coef
+        self.entropy_coef = algorithm.entropy_coef
+        self.temperature = temperature
+
+    def __call__(self, logits: torch.Tensor, batch: Batch, normalizer: LossNormalizer):
+        mask = batch.response_mask  # [b, T]
+        logprobs = token_logprobs(logits, response_tokens(batch), self.temperature)  # [b, T]
+        old = batch.extras.get("old_logprobs")
+        inputs = PolicyLossInputs(
+            logprobs=logprobs,
+            old_logprobs=logprobs.detach() if old is None else old,
+            advantages=batch.extras["advantages"],
+            mask=mask,
+            rollout_logprobs=batch.rollout_logprobs,
+            rewards=batch.rewards,
+        )
+        per_token, metrics = self.policy_loss(inputs, **self.policy_loss_kwargs)  # [b, T]
+        loss = self.aggregation(per_token, mask, normalizer)
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        if self.kl is not None:
+            kl = self.kl(logprobs, batch.extras["ref_logprobs"])  # [b, T]
+            kl_loss = self.aggregation(kl, mask, normalizer)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["actor/kl"] = _masked_mean(kl, mask)
+        if self.entropy_coef:
+            entropy = entropy_from_logits(logits / self.temperature)  # [b, T]
+            loss = loss - self.entropy_coef * self.aggregation(entropy, mask, normalizer)
+            metrics["actor/entropy"] = _masked_mean(entropy, mask)
+        return loss, metrics
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Token mean of a [b, T] tensor (the backend averages micro-batches weighted by token count)."""
+    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))

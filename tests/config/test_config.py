@@ -1,0 +1,83 @@
+import pytest
+
+from rollflow.config import RunConfig, apply_overrides, dump_config, load_config
+from rollflow.errors import ConfigError
+
+
+def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path):
+    config = load_config(None)
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    config = load_config(None, ["rollout.prompts_per_step=4", "train.lr=3e-5", "data.shuffle=false",
+                                "reward.functions=[{name: exact_match, weight: 2}]", "cluster.address=null"])
+    assert config.rollout.prompts_per_step == 4
+    assert config.train.lr == pytest.approx(3e-5)
+    assert config.data.shuffle is False
+    assert config.reward.functions[0].name == "exact_match" and config.reward.functions[0].weight == 2.0
+    assert config.cluster.address is None
+
+
+def test_override_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_overrides({}, ["rollout.prompts_per_step"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.prompt_per_step=4", "did you mean 'rollout.prompts_per_step'"),
+    ("roles.actor_train.backnd=x", "did you mean 'roles.actor_train.backend'"),
+    ("traing.steps=3", "did you mean 'train'"),
+])
+def test_unknown_key_names_the_nearest_valid_one(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [override])
+
+
+def test_wrong_type_names_the_key_and_value():
+    with pytest.raises(ConfigError, match=r"train\.lr: .*'abc'"):
+        load_config(None, ["train.lr=abc"])
+
+
+def test_indivisible_batch_sizes_say_what_to_change():
+    with pytest.raises(ConfigError, match="train_micro_batch_size"):
+        load_config(None, ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=8",
+                           "train.train_micro_batch_size=16"])
+    with pytest.raises(ConfigError, match="optimizer_steps_per_step"):
+        load_config(None, ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3",
+                           "train.optimizer_steps_per_step=2"])
+
+
+def test_unknown_algorithm_name_lists_valid_names():
+    with pytest.raises(ConfigError, match="Did you mean 'grpo'.*Valid: .*rloo"):
+        load_config(None, ["algorithm.advantage=grpoo"])
+
+
+def test_unknown_algorithm_option_suggests_the_right_one():
+    with pytest.raises(ConfigError, match="did you mean 'clip_high'"):
+        load_config(None, ["algorithm.policy_loss_kwargs={clip_hi: 0.3}"])
+
+
+def test_dataset_needs_exactly_one_source():
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_config(None, ["data.train={task: add2, path: x.jsonl}"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listed)
+
+
+def test_samples_per_step_is_derived():
+    config = RunConfig()
+    assert config.rollout.samples_per_step == config.rollout.prompts_per_step * config.rollout.samples_per_prompt

@@ -1,0 +1,66 @@
+"""Bad input gives one clear line on stderr and exit status 2, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rollflow.cli import EXIT_USER_ERROR, main
+
+QUICKSTART = "examples/quickstart.yaml"
+
+
+def _error_of(capsys, argv) -> str:
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == EXIT_USER_ERROR, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_missing_config_file(capsys):
+    assert "config file not found: nope.yaml" in _error_of(capsys, ["train", "nope.yaml"])
+
+
+def test_unknown_key(capsys):
+    line = _error_of(capsys, ["train", QUICKSTART, "rollout.max_new_token=4"])
+    assert "unknown config key 'rollout.max_new_token'" in line and "rollout.max_new_tokens" in line
+
+
+def test_wrong_type(capsys):
+    assert "rollout.prompts_per_step" in _error_of(capsys, ["train", QUICKSTART, "rollout.prompts_per_step=many"])
+
+
+def test_missing_model_path(capsys, tmp_path):
+    line = _error_of(capsys, ["train", QUICKSTART, f"model.path={tmp_path}/no_model", f"output.dir={tmp_path}"])
+    assert "does not exist" in line
+
+
+def test_dataset_without_prompt_column(capsys, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    line = _error_of(capsys, ["train", QUICKSTART, f"data.train={{path: {data}}}", f"output.dir={tmp_path}"])
+    assert "no 'prompt' column" in line
+
+
+def test_reward_path_that_does_not_import(capsys, tmp_path):
+    line = _error_of(capsys, ["train", QUICKSTART, "reward.functions=[{name: 'no_such_pkg.rewards:score'}]",
+                              f"output.dir={tmp_path}"])
+    assert "no_such_pkg" in line
+
+
+def test_print_config_prints_resolved_yaml(capsys):
+    assert main(["train", QUICKSTART, "--print-config", "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "prompts_per_step:" in out
+
+
+@pytest.mark.parametrize("argv", [["train", "nope.yaml"]])
+def test_real_entry_point_exits_2_without_traceback(argv):
+    result = subprocess.run([sys.executable, "-m", "rollflow.cli", *argv], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == EXIT_USER_ERROR
+    assert result.stderr.strip() == "rollflow: error: config file not found: nope.yaml"
