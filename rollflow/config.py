@@ -7,6 +7,7 @@ which numbers to change.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any, Literal
@@ -86,8 +87,38 @@ class RewardConfig(Strict):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="math_answer")]
 
 
+NormalizationMode = Literal["none", "batch", "group", "running"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+
+
+class TrainInferCorrectionConfig(Strict):
+    """Train-inference mismatch correction in the actor loss (`algorithms.train_infer_correction`).
+
+    The ratio is `exp(old_logprobs - rollout_logprobs)`: trainer vs inference engine on the sampled tokens.
+    """
+
+    weight_level: CorrectionLevel | None = "token"  # truncated IS (TIS) weights; null = weights of 1
+    upper_bound: float = Field(default=2.0, gt=0)  # TIS truncation
+    mask_level: CorrectionLevel | None = None  # masked IS (MIS): drop tokens/sequences outside [low, high]
+    low: float = Field(default=0.5, gt=0)
+    high: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TrainInferCorrectionConfig:
+        if self.low > self.high:
+            raise ValueError(f"need low <= high, got low={self.low}, high={self.high}")
+        if self.weight_level is None and self.mask_level is None:
+            raise ValueError("set weight_level (TIS) or mask_level (MIS), or set train_infer_correction: null")
+        return self
+
+
 class AlgorithmConfig(Strict):
-    """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature."""
+    """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature.
+
+    The advantage stage runs, in order: difficulty mask, overlong filter, overlong reward shaping, reward
+    normalization and clipping, KL penalty in the reward, the estimator, advantage whitening and clipping
+    (docs/algorithms.md). Every option below is off by default.
+    """
 
     advantage: str = "grpo"
     advantage_kwargs: dict[str, Any] = {}
@@ -97,6 +128,26 @@ class AlgorithmConfig(Strict):
     kl_loss_coef: float = Field(default=0.0, ge=0)  # > 0 adds coef * KL(policy || reference) to the loss
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    # Reward shaping, before the estimator.
+    reward_norm_mean: NormalizationMode = "none"  # scope of the mean subtracted from the scalar reward
+    reward_norm_std: NormalizationMode = "none"  # scope of the std it is divided by
+    reward_clip: float | None = Field(default=None, gt=0)  # clamp rewards to [-clip, clip] after normalizing
+    overlong_buffer: int | None = Field(default=None, gt=0)  # DAPO soft overlong penalty over the last N tokens
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)  # penalty at rollout.max_new_tokens
+    overlong_filter: bool = False  # zero the loss of truncated samples (DAPO overlong filtering)
+    difficulty_mask: tuple[float, float] | None = None  # [low, high]: train only groups with low < mean reward < high
+    kl_reward_coef: float = Field(default=0.0, ge=0)  # > 0 adds -coef * KL(policy || reference) per token
+    kl_reward_estimator: str = "k1"
+    kl_reward_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_reward_target: float | None = Field(default=None, gt=0)  # adaptive: the KL to steer towards
+    kl_reward_horizon: float = Field(default=10000.0, gt=0)  # adaptive: in samples
+    # Advantage post-processing, after the estimator.
+    whiten_advantages: bool = False  # zero mean, unit std over the batch's trained tokens
+    advantage_clip: float | None = Field(default=None, gt=0)  # clamp advantages to [-clip, clip]
+    # Actor loss.
+    train_infer_correction: TrainInferCorrectionConfig | None = None  # TIS / MIS; null = off
+    # Critic loss (advantage: gae).
+    value_clip: float | None = Field(default=0.5, gt=0)  # clip the value update around the rollout-time value
 
     @model_validator(mode="after")
     def _known_names(self) -> AlgorithmConfig:
@@ -106,6 +157,7 @@ class AlgorithmConfig(Strict):
             (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
             (LOSS_AGGREGATIONS, self.loss_aggregation, None),
             (KL_ESTIMATORS, self.kl_estimator, None),
+            (KL_ESTIMATORS, self.kl_reward_estimator, None),
         ]
         for registry, name, kwargs in checks:
             if name not in registry:
@@ -113,6 +165,25 @@ class AlgorithmConfig(Strict):
             if kwargs is not None:
                 check_hyperparams(registry.get(name), kwargs)
         return self
+
+    @model_validator(mode="after")
+    def _consistent_options(self) -> AlgorithmConfig:
+        if self.difficulty_mask is not None and self.difficulty_mask[0] >= self.difficulty_mask[1]:
+            raise ValueError(f"difficulty_mask [low, high] needs low < high, got {list(self.difficulty_mask)}")
+        if self.kl_reward_controller == "adaptive" and self.kl_reward_target is None:
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_target (the KL to steer towards)")
+        if self.kl_reward_controller == "adaptive" and self.kl_reward_coef == 0:
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_coef > 0 (the initial coefficient)")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """KL in the loss or in the reward, or a teacher for on-policy distillation (the reference is the teacher)."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0 or self.advantage == "opd"
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage == "gae"
 
 
 class TrainConfig(Strict):
@@ -125,6 +196,8 @@ class TrainConfig(Strict):
     max_grad_norm: float = Field(default=1.0, gt=0)
     train_micro_batch_size: int = Field(default=32, gt=0)  # samples per forward/backward
     optimizer_steps_per_step: int = Field(default=1, gt=0)  # mini-batches per RL step (PPO epochs of 1)
+    critic_lr: float = Field(default=1e-5, gt=0)  # the critic's AdamW LR (advantage: gae); same schedule
+    critic_warmup_steps: int = Field(default=0, ge=0)  # RL steps that train only the critic, not the actor
 
 
 class EvalConfig(Strict):
@@ -150,10 +223,17 @@ class ActorInferConfig(RoleConfig):
     engine_kwargs: dict[str, Any] = {}
 
 
+class ReferenceConfig(RoleConfig):
+    """The frozen reference policy (KL terms) and the teacher of on-policy distillation (`advantage: opd`)."""
+
+    model_path: str | None = None  # default: model.path; a teacher must share the policy's tokenizer
+
+
 class RolesConfig(Strict):
     actor_train: ActorTrainConfig = ActorTrainConfig()
     actor_infer: ActorInferConfig = ActorInferConfig()
-    reference: RoleConfig = RoleConfig()
+    reference: ReferenceConfig = ReferenceConfig()  # started when algorithm.needs_reference
+    critic: RoleConfig = RoleConfig()  # value model, started when algorithm.advantage is gae
 
 
 class ClusterConfig(Strict):
@@ -212,18 +292,41 @@ class RunConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _algorithm_fits_the_run(self) -> RunConfig:
+        algorithm, train = self.algorithm, self.train
+        if algorithm.overlong_buffer is not None and algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) is longer than rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}), the length it counts back from; lower the buffer"
+            )
+        if train.critic_warmup_steps and not algorithm.needs_critic:
+            raise ValueError(
+                f"train.critic_warmup_steps is {train.critic_warmup_steps} but advantage "
+                f"{algorithm.advantage!r} uses no critic; set it to 0 or use advantage: gae"
+            )
+        if train.critic_warmup_steps >= train.steps:
+            raise ValueError(
+                f"train.critic_warmup_steps ({train.critic_warmup_steps}) >= train.steps ({train.steps}): "
+                "the actor would never train"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / self.name
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, defaults: dict[str, Any]) -> None:
+    """Set `tree[a][b]... = value`; a section missing from `tree` starts as its default, so `a.b.c=1`
+    changes one key of the default section instead of replacing the section."""
     keys = dotted.split(".")
-    node = tree
+    node, default = tree, defaults
     for key in keys[:-1]:
+        default = default.get(key) if isinstance(default, dict) else None
         child = node.get(key)
         if child is None:
-            child = node[key] = {}
+            child = node[key] = copy.deepcopy(default) if isinstance(default, dict) else {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted}: {key!r} is a value, not a section")
         node = child
@@ -232,6 +335,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=c` overrides; values are parsed as YAML (`3`, `1e-5`, `true`, `[1, 2]`, `null`)."""
+    defaults = RunConfig().model_dump(mode="json")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -240,7 +344,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({err.problem})") from None
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key.strip(), value, defaults)
     return tree
 
 

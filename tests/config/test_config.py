@@ -81,3 +81,12 @@ def test_missing_and_malformed_files(tmp_path):
 def test_samples_per_step_is_derived():
     config = RunConfig()
     assert config.rollout.samples_per_step == config.rollout.prompts_per_step * config.rollout.samples_per_prompt
+
+
+def test_override_inside_a_default_section_keeps_the_other_defaults(tmp_path):
+    config = load_config(None, ["data.eval.limit=20"])
+    assert config.data.eval.task == "add2" and config.data.eval.split == "eval" and config.data.eval.limit == 20
+    # a section the YAML file sets is taken as written (not merged with defaults)
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train: {path: data.jsonl}\n")
+    assert load_config(path).data.train.task is None

@@ -124,3 +124,14 @@ def test_eval_command_scores_a_model(tmp_path):
                      .split(":")[1])
     assert 0.0 < accuracy < 1.0  # the bundled model gets some, not all, of the held-out sums right
     assert len((tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()) == 20
+
+
+def test_quickstart_learns(tmp_path):
+    """A short version of the quickstart: held-out greedy accuracy and training reward both rise."""
+    _train("examples/quickstart.yaml", "train.steps=12", "train.lr_schedule=constant", "eval.every_steps=12",
+           "data.eval.limit=200", "output.trackers=[jsonl]", "name=learn", f"output.dir={tmp_path}")
+    rows = _metrics(tmp_path / "learn")
+    initial, final = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
+    assert final >= initial + 0.10, (initial, final)
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
