@@ -108,7 +108,8 @@ class TrainInferCorrectionConfig(Strict):
         if self.low > self.high:
             raise ValueError(f"need low <= high, got low={self.low}, high={self.high}")
         if self.weight_level is None and self.mask_level is None:
-            raise ValueError("set weight_level (TIS) or mask_level (MIS), or set train_infer_correction: null")
+            raise ValueError("set weight_level (TIS) or mask_level (MIS), "
+                             "or set train_infer_correction: null")
         return self
 
 
@@ -132,10 +133,10 @@ class AlgorithmConfig(Strict):
     reward_norm_mean: NormalizationMode = "none"  # scope of the mean subtracted from the scalar reward
     reward_norm_std: NormalizationMode = "none"  # scope of the std it is divided by
     reward_clip: float | None = Field(default=None, gt=0)  # clamp rewards to [-clip, clip] after normalizing
-    overlong_buffer: int | None = Field(default=None, gt=0)  # DAPO soft overlong penalty over the last N tokens
+    overlong_buffer: int | None = Field(default=None, gt=0)  # DAPO soft overlong penalty: the last N tokens
     overlong_penalty_factor: float = Field(default=1.0, ge=0)  # penalty at rollout.max_new_tokens
     overlong_filter: bool = False  # zero the loss of truncated samples (DAPO overlong filtering)
-    difficulty_mask: tuple[float, float] | None = None  # [low, high]: train only groups with low < mean reward < high
+    difficulty_mask: tuple[float, float] | None = None  # [low, high]: train groups with low < mean reward < high
     kl_reward_coef: float = Field(default=0.0, ge=0)  # > 0 adds -coef * KL(policy || reference) per token
     kl_reward_estimator: str = "k1"
     kl_reward_controller: Literal["fixed", "adaptive"] = "fixed"
@@ -169,16 +170,19 @@ class AlgorithmConfig(Strict):
     @model_validator(mode="after")
     def _consistent_options(self) -> AlgorithmConfig:
         if self.difficulty_mask is not None and self.difficulty_mask[0] >= self.difficulty_mask[1]:
-            raise ValueError(f"difficulty_mask [low, high] needs low < high, got {list(self.difficulty_mask)}")
+            raise ValueError(f"difficulty_mask [low, high] needs low < high, "
+                             f"got {list(self.difficulty_mask)}")
         if self.kl_reward_controller == "adaptive" and self.kl_reward_target is None:
-            raise ValueError("kl_reward_controller: adaptive needs kl_reward_target (the KL to steer towards)")
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_target "
+                             "(the KL to steer towards)")
         if self.kl_reward_controller == "adaptive" and self.kl_reward_coef == 0:
-            raise ValueError("kl_reward_controller: adaptive needs kl_reward_coef > 0 (the initial coefficient)")
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_coef > 0 "
+                             "(the initial coefficient)")
         return self
 
     @property
     def needs_reference(self) -> bool:
-        """KL in the loss or in the reward, or a teacher for on-policy distillation (the reference is the teacher)."""
+        """KL in the loss or in the reward, or on-policy distillation (the reference is the teacher)."""
         return self.kl_loss_coef > 0 or self.kl_reward_coef > 0 or self.advantage == "opd"
 
     @property
@@ -297,8 +301,9 @@ class RunConfig(Strict):
         algorithm, train = self.algorithm, self.train
         if algorithm.overlong_buffer is not None and algorithm.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(
-                f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) is longer than rollout.max_new_tokens "
-                f"({self.rollout.max_new_tokens}), the length it counts back from; lower the buffer"
+                f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) is longer than "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), the length it counts back from; "
+                "lower the buffer"
             )
         if train.critic_warmup_steps and not algorithm.needs_critic:
             raise ValueError(

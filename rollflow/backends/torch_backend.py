@@ -3,6 +3,8 @@
 The loss function is passed in (compose, don't inherit): `loss_fn(logits, micro_batch, normalizer) ->
 (loss, metrics)`, where `loss` is the micro-batch's contribution to the global loss (see
 `rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on the micro-batch size.
+With `value_head=True` the model is a `ValueModel` (the critic) and the loss function receives [b, T]
+values instead of [b, T, V] logits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from rollflow.algorithms import LossNormalizer, loss_normalizer
 from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
+from rollflow.backends.value_model import ValueModel, response_values
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm, load_tokenizer
 
@@ -47,16 +50,26 @@ class TorchBackend:
         max_grad_norm: gradient clipping.
         micro_batch_size: samples per forward/backward.
         trainable: False for a frozen reference model (no optimizer).
+        value_head: hold a `ValueModel` (backbone + scalar head) instead of the causal LM, for a critic.
+        max_response_length: the constant L of `seq_mean_token_sum_norm` (the generation limit); None uses
+            each batch's padded response width.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", lr: float = 1e-5,
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0, warmup_steps: int = 0,
                  max_grad_norm: float = 1.0, micro_batch_size: int = 32, trainable: bool = True,
                  lr_schedule: str = "constant", total_steps: int = 0,
-                 trust_remote_code: bool = False):
-        self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+                 trust_remote_code: bool = False, value_head: bool = False,
+                 max_response_length: int | None = None):
+        self.value_head = value_head
+        if value_head:
+            self.model = ValueModel.from_pretrained(model_path, dtype, trust_remote_code)
+        else:
+            self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        self.forward = response_values if value_head else model_logits  # [b, T] values or [b, T, V] logits
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.micro_batch_size = micro_batch_size
+        self.max_response_length = max_response_length
         self.max_grad_norm = max_grad_norm
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
@@ -84,17 +97,26 @@ class TorchBackend:
                 :, micro.prompt_length:] > 0))
         return torch.cat(parts)
 
+    @torch.no_grad()
+    def forward_values(self, batch: Batch) -> torch.Tensor:
+        """Values of the batch's response tokens (value head only). Returns [B, T] (0 where padded)."""
+        assert self.value_head, "forward_values needs value_head=True"
+        self.model.eval()
+        parts = [response_values(self.model, micro) * (micro.attention_mask[:, micro.prompt_length:] > 0)
+                 for micro in self._micro_batches(batch)]
+        return torch.cat(parts)
+
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch` (all micro-batches accumulated). Returns averaged metrics."""
         assert self.optimizer is not None, "train_step on a frozen backend"
         self.model.train()
-        normalizer = loss_normalizer(batch.response_mask)
+        normalizer = loss_normalizer(batch.response_mask, self.max_response_length)
         total_tokens = max(float(batch.response_mask.sum()), 1.0)
         sums: dict[str, float] = {}
         total_loss = 0.0
         for micro in self._micro_batches(batch):
-            logits = model_logits(self.model, micro)  # [b, T, V]
-            loss, metrics = loss_fn(logits, micro, normalizer)
+            outputs = self.forward(self.model, micro)  # [b, T, V] logits, or [b, T] values
+            loss, metrics = loss_fn(outputs, micro, normalizer)
             loss.backward()
             total_loss += float(loss.detach())
             weight = float(micro.response_mask.sum()) / total_tokens  # token-weighted metric average
@@ -118,9 +140,14 @@ class TorchBackend:
         """Bring weights / optimizer state back (nothing to move on CPU)."""
 
     def save(self, path: str | Path) -> None:
-        """Model + tokenizer in HF format under `path`, optimizer / scheduler / RNG in `trainer_state.pt`."""
+        """Model + tokenizer in HF format under `path` (a value model: `value_model.safetensors`), optimizer /
+        scheduler / RNG in `trainer_state.pt`."""
         path = Path(path)
-        self.model.save_pretrained(path, safe_serialization=True)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.value_head:
+            self.model.save(path)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         state = {
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -134,8 +161,11 @@ class TorchBackend:
     def load(self, path: str | Path) -> None:
         """Restore what `save` wrote (weights, optimizer, scheduler, RNG)."""
         path = Path(path)
-        loaded = load_causal_lm(str(path), dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
-        self.model.load_state_dict(loaded.state_dict())
+        if self.value_head:
+            self.model.load(path)
+        else:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            self.model.load_state_dict(load_causal_lm(str(path), dtype=dtype).state_dict())
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])

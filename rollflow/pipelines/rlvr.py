@@ -1,6 +1,7 @@
 """RLVR pipeline: generate -> reward -> advantage -> train -> sync -> eval, one step at a time.
 
-The driver (single controller) owns the loop; each role runs in its own Ray actor.
+The driver (single controller) owns the loop; each role runs in its own Ray actor. Optional roles:
+`reference` (KL terms, the opd teacher) and `critic` (values for GAE).
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from pathlib import Path
 
 import ray
 
-from rollflow.cluster.groups import create_role_workers
+from rollflow.cluster.groups import RoleWorkers, create_role_workers
 from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
 from rollflow.config import RunConfig, dump_config
 from rollflow.data.prompts import PromptEncoder, PromptSampler, load_rows
-from rollflow.data.sample import collate
+from rollflow.data.sample import Batch, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.models import load_tokenizer
 from rollflow.pipelines.rlvr_steps import (
+    AdvantageStage,
     check_logprob_parity,
-    compute_advantages,
+    drop_groups,
     rollout_metrics,
     usable,
     write_samples,
@@ -31,8 +33,14 @@ from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 
 
-def run_rlvr(config: RunConfig) -> dict[str, float]:
-    """Train with RL on verifiable rewards. Returns the final metrics (incl. initial/final eval accuracy)."""
+def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
+    """Train with RL on verifiable rewards. Returns the final metrics (incl. initial/final eval accuracy).
+
+    Args:
+        config: the run config.
+        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
+            Ray session and leaves it up (tests run many short runs in one session).
+    """
     pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     data = config.data
@@ -55,8 +63,12 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
 
-    start_ray(config.cluster.address, config.cluster.num_cpus)
-    workers = create_role_workers(config, with_reference=config.algorithm.kl_loss_coef > 0)
+    if manage_ray:
+        start_ray(config.cluster.address, config.cluster.num_cpus)
+    algorithm = config.algorithm
+    workers = create_role_workers(config, with_reference=algorithm.needs_reference,
+                                  with_critic=algorithm.needs_critic)
+    advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
     scheduler = RolloutScheduler(workers.actor_infer, reward_fn, _decoder(tokenizer))
     tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
     rollout = config.rollout
@@ -71,6 +83,21 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
         nbytes = ray.get(payload)[3]
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": nbytes, "sync/version": versions[0]}
 
+    def train_on(batch: Batch, step: int) -> dict[str, float]:
+        """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
+        if workers.reference is not None:
+            batch.extras["ref_logprobs"] = ray.get(workers.reference.compute_logprobs.remote(batch))
+        if advantages.needs_policy_logprobs:
+            batch.extras["old_logprobs"] = ray.get(workers.actor_train.compute_logprobs.remote(batch))
+        if workers.critic is not None:
+            batch.extras["values"] = ray.get(workers.critic.compute_values.remote(batch))
+        metrics = advantages(batch)
+        if workers.critic is not None:
+            metrics.update(ray.get(workers.critic.train.remote(batch)))
+        if step > config.train.critic_warmup_steps:
+            metrics.update(ray.get(workers.actor_train.train.remote(batch)))
+        return metrics
+
     def evaluate() -> dict[str, float]:
         if not eval_prompts:
             return {}
@@ -80,7 +107,10 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
     if resume_from:
         state = json.loads((resume_from / "driver_state.json").read_text())
         ray.get(workers.actor_train.load.remote(str(resume_from / "model"), state["step"]))
+        if workers.critic is not None:
+            ray.get(workers.critic.load.remote(str(resume_from / "critic")))
         sampler.load_state(state["sampler"])
+        advantages.load_state(state.get("advantage_stage"))
         first_step, initial_eval = state["step"], state.get("initial_eval", {})
         sync_weights()
         tracker.print(f"resumed from {resume_from} at step {first_step}")
@@ -96,16 +126,16 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
         result = scheduler.generate(prompts, sampling)
         samples = usable(result.samples)
         batch = collate(samples, tokenizer.pad_token_id)
-        if workers.reference is not None:
-            batch.extras["ref_logprobs"] = ray.get(workers.reference.compute_logprobs.remote(batch))
         metrics = {**result.metrics, **rollout_metrics(result.samples)}
         if step == first_step + 1 and config.checks.logprob_parity_samples:
             probe = batch.select(slice(0, config.checks.logprob_parity_samples))
             trainer_logprobs = ray.get(workers.actor_train.compute_logprobs.remote(probe))
             metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
                 probe, trainer_logprobs, config.checks.logprob_parity_tolerance)
-        metrics.update(compute_advantages(batch, config.algorithm))
-        metrics.update(ray.get(workers.actor_train.train.remote(batch)))
+        batch, filter_metrics = drop_groups(batch, algorithm)  # difficulty mask; may drop every group
+        metrics.update(filter_metrics)
+        if batch.size:
+            metrics.update(train_on(batch, step))
         metrics.update(sync_weights())
         if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
             metrics.update(evaluate())
@@ -113,7 +143,7 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
         tracker.log(step, metrics)
         write_samples(run_dir / "samples.jsonl", step, result.samples, config.output.samples_logged_per_step)
         if step == config.train.steps or config.output.save_every_steps and step % config.output.save_every_steps == 0:
-            _save_checkpoint(checkpoints / f"step_{step}", workers.actor_train, step, sampler, initial_eval)
+            _save_checkpoint(checkpoints / f"step_{step}", workers, step, sampler, advantages, initial_eval)
 
     final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
     if "eval/accuracy" in final and "initial_eval/accuracy" in final:
@@ -121,21 +151,36 @@ def run_rlvr(config: RunConfig) -> dict[str, float]:
                       f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
     tracker.close()
     plot_curves(run_dir)
-    stop_ray()
+    if manage_ray:
+        stop_ray()
+    else:
+        _kill_workers(workers)
     return final
 
 
-def _save_checkpoint(path: Path, actor_train, step: int, sampler: PromptSampler, initial_eval: dict) -> None:
-    """Model (HF format) + optimizer/RNG from the trainer; step, data position from the driver."""
+def _save_checkpoint(path: Path, workers: RoleWorkers, step: int, sampler: PromptSampler,
+                     advantages: AdvantageStage, initial_eval: dict) -> None:
+    """Model (HF format) + optimizer/RNG from the trainer (and critic); step, data position, reward and KL
+    statistics from the driver."""
     path.mkdir(parents=True, exist_ok=True)
-    ray.get(actor_train.save.remote(str(path / "model")))
-    state = {"step": step, "sampler": sampler.state(), "initial_eval": initial_eval}
+    ray.get(workers.actor_train.save.remote(str(path / "model")))
+    if workers.critic is not None:
+        ray.get(workers.critic.save.remote(str(path / "critic")))
+    state = {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
+             "initial_eval": initial_eval}
     (path / "driver_state.json").write_text(json.dumps(state))
 
 
 def _latest_checkpoint(checkpoints: Path) -> Path | None:
     done = [p for p in checkpoints.glob("step_*") if (p / "driver_state.json").is_file()]
     return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def _kill_workers(workers: RoleWorkers) -> None:
+    """End this run's actors (their processes) when the Ray session outlives the run."""
+    for worker in [workers.actor_train, *workers.actor_infer, workers.reference, workers.critic]:
+        if worker is not None:
+            ray.kill(worker)
 
 
 def _decoder(tokenizer):

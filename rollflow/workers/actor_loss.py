@@ -1,4 +1,5 @@
-"""The actor's loss: a policy loss + optional KL-to-reference and entropy terms, aggregated globally.
+"""The actor's loss: a policy loss (optionally corrected for train-inference mismatch) + optional
+KL-to-reference and entropy terms, aggregated globally.
 
 Built from the algorithm config's registry names; the math lives in `rollflow.algorithms`.
 """
@@ -14,6 +15,7 @@ from rollflow.algorithms import (
     LossNormalizer,
     PolicyLossInputs,
     entropy_from_logits,
+    train_infer_correction,
 )
 from rollflow.backends.logprobs import response_tokens, token_logprobs
 from rollflow.config import AlgorithmConfig
@@ -26,6 +28,11 @@ class ActorLoss:
     Needs `micro_batch.extras["advantages"]` [b, T]; uses `extras["old_logprobs"]` when present (several
     optimizer steps per RL step) and the current logprobs, detached, otherwise (one step: ratio == 1);
     `extras["ref_logprobs"]` when `kl_loss_coef > 0`.
+
+    With `algorithm.train_infer_correction`, the policy-gradient term is multiplied by truncated IS weights
+    and/or masked (MIS) per `algorithms.train_infer_correction(old_logprobs, rollout_logprobs)`; the KL and
+    entropy terms are not. Dropped tokens still count in the loss normalizer: masking acts as an IS weight
+    of 0, it does not renormalize over the kept tokens (and the normalizer stays global).
     """
 
     def __init__(self, algorithm: AlgorithmConfig, temperature: float):
@@ -36,22 +43,31 @@ class ActorLoss:
         self.kl_coef = algorithm.kl_loss_coef
         self.entropy_coef = algorithm.entropy_coef
         self.temperature = temperature
+        correction = algorithm.train_infer_correction
+        self.correction = correction.model_dump() if correction is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: Batch, normalizer: LossNormalizer):
         mask = batch.response_mask  # [b, T]
         logprobs = token_logprobs(logits, response_tokens(batch), self.temperature)  # [b, T]
         old = batch.extras.get("old_logprobs")
+        old = logprobs.detach() if old is None else old  # [b, T]
+        policy_mask, weights, metrics = mask, None, {}
+        if self.correction is not None:
+            weights, policy_mask, metrics = train_infer_correction(
+                old, batch.rollout_logprobs, mask, **self.correction)  # [b, T], [b, T]
         inputs = PolicyLossInputs(
             logprobs=logprobs,
-            old_logprobs=logprobs.detach() if old is None else old,
+            old_logprobs=old,
             advantages=batch.extras["advantages"],
-            mask=mask,
+            mask=policy_mask,
             rollout_logprobs=batch.rollout_logprobs,
             rewards=batch.rewards,
         )
-        per_token, metrics = self.policy_loss(inputs, **self.policy_loss_kwargs)  # [b, T]
-        loss = self.aggregation(per_token, mask, normalizer)
-        metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        per_token, loss_metrics = self.policy_loss(inputs, **self.policy_loss_kwargs)  # [b, T]
+        if weights is not None:
+            per_token = per_token * weights  # [b, T], stop-gradient weights
+        loss = self.aggregation(per_token, policy_mask, normalizer)
+        metrics = {f"actor/{k}": v for k, v in {**loss_metrics, **metrics}.items()}
         if self.kl is not None:
             kl = self.kl(logprobs, batch.extras["ref_logprobs"])  # [b, T]
             kl_loss = self.aggregation(kl, mask, normalizer)

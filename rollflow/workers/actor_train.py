@@ -26,7 +26,8 @@ class ActorTrainWorker:
             betas=train.betas, weight_decay=train.weight_decay, warmup_steps=train.warmup_steps,
             max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
             lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
-            trust_remote_code=config.model.trust_remote_code, **role.backend_kwargs,
+            trust_remote_code=config.model.trust_remote_code,
+            max_response_length=config.rollout.max_new_tokens, **role.backend_kwargs,
         )
         self.loss = ActorLoss(config.algorithm, config.rollout.temperature)
         self.temperature = config.rollout.temperature
@@ -38,21 +39,21 @@ class ActorTrainWorker:
         return self.backend.forward_logprobs(batch, self.temperature)
 
     def train(self, batch: Batch) -> dict[str, float]:
-        """One RL step: `optimizer_steps_per_step` optimizer steps over shuffled mini-batches."""
+        """One RL step: `optimizer_steps_per_step` optimizer steps over shuffled mini-batches.
+
+        Uses `batch.extras["old_logprobs"]` when the driver already computed them (KL in the reward, opd);
+        otherwise computes them first when later mini-batches need them.
+        """
         started = time.perf_counter()
         metrics: dict[str, float] = {}
-        if self.mini_batches > 1:  # later mini-batches see moved weights: ratios need the old policy
-            old = self.backend.forward_logprobs(batch, self.temperature)  # [B, T]
-            batch.extras["old_logprobs"] = old
-            gap = (old - batch.rollout_logprobs).abs() * batch.response_mask  # [B, T]
+        if self.mini_batches > 1 and "old_logprobs" not in batch.extras:
+            # later mini-batches see moved weights: ratios need the old policy
+            batch.extras["old_logprobs"] = self.backend.forward_logprobs(batch, self.temperature)  # [B, T]
+        if "old_logprobs" in batch.extras:
+            gap = (batch.extras["old_logprobs"] - batch.rollout_logprobs).abs()  # [B, T]
+            gap = gap * batch.response_mask
             metrics["check/train_infer_logprob_max_gap"] = float(gap.max())
-        order = torch.randperm(batch.size)
-        size = batch.size // self.mini_batches
-        for index in range(self.mini_batches):
-            step_metrics = self.backend.train_step(batch.select(order[index * size:(index + 1) * size]),
-                                                   self.loss)
-            for key, value in step_metrics.items():  # averaged over the optimizer steps
-                metrics[key] = metrics.get(key, 0.0) + value / self.mini_batches
+        metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches))
         self.version += 1
         metrics["time/train"] = time.perf_counter() - started
         return metrics
@@ -68,3 +69,18 @@ class ActorTrainWorker:
     def load(self, path: str, version: int) -> None:
         self.backend.load(path)
         self.version = version
+
+
+def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int) -> dict[str, float]:
+    """Shuffle `batch`, split it into `mini_batches` near-equal parts, take one optimizer step on each.
+
+    Returns the metrics averaged over the optimizer steps. Parts are empty only when the batch has fewer
+    rows than `mini_batches` (after the difficulty mask dropped groups); those are skipped.
+    """
+    order = torch.randperm(batch.size)
+    parts = [part for part in order.tensor_split(mini_batches) if part.numel()]
+    metrics: dict[str, float] = {}
+    for part in parts:
+        for key, value in backend.train_step(batch.select(part), loss_fn).items():
+            metrics[key] = metrics.get(key, 0.0) + value / len(parts)
+    return metrics
