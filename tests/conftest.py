@@ -14,16 +14,14 @@ torch.set_num_threads(1)  # 2 shared cores: more OpenMP threads than our share s
 
 def save_random_model(path, seed: int = 0, hidden: int = 64, layers: int = 2) -> str:
     """A random Qwen2 model with the char tokenizer, saved in HF format under `path`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rollflow.data.char_tokenizer import build_char_tokenizer
+    from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
 
     tokenizer = build_char_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=2 * hidden, tie_word_embeddings=True,
-        max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    config = tiny_qwen2_config(tokenizer, hidden_size=hidden, num_hidden_layers=layers,
+                               intermediate_size=2 * hidden)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -48,12 +48,13 @@ EVAL_BATCH_SIZE = 250
 SAMPLES_PER_PROMPT = 8  # for the temperature-1 diagnostics recorded next to the model
 
 
-def tiny_qwen2_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+def tiny_qwen2_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> Qwen2Config:
     """The tiny model's architecture: hidden 128, 4 layers, 4 query / 2 key-value heads, tied embeddings.
 
     The vocabulary is exactly the tokenizer's; 64 positions cover any arithmetic prompt and answer.
+    `overrides` (e.g. `hidden_size=32, num_hidden_layers=1`) give smaller models of the same family for tests.
     """
-    return Qwen2Config(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=512,
@@ -67,6 +68,7 @@ def tiny_qwen2_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
         bos_token_id=None,
         dtype="float32",
     )
+    return Qwen2Config(**{**settings, **overrides})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from rollflow.data.arithmetic import arithmetic_splits
 from rollflow.data.char_tokenizer import build_char_tokenizer
@@ -95,18 +95,8 @@ def test_shuffled_batches_are_full_deterministic_and_cover_each_epoch():
 
 def test_a_few_sft_steps_on_a_very_small_model_reduce_the_loss(tokenizer):
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = build_tiny_model.tiny_qwen2_config(tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1)
     model = Qwen2ForCausalLM(config)
     train_rows, _ = arithmetic_splits(num_eval=10)
     examples = encode_sft_rows(tokenizer, train_rows[:64])
