@@ -6,12 +6,11 @@ import ray
 
 from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
 from rollflow.config import RunConfig
-from rollflow.data.prompts import PromptEncoder, load_rows
+from rollflow.data.prompts import PromptEncoder
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.rlvr_steps import rollout_metrics, write_samples
-from rollflow.rewards import combine_rewards, resolve_reward
+from rollflow.pipelines.rlvr_steps import build_reward_fn, load_dataset, rollout_metrics, write_samples
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.workers.rollout import RolloutWorker
 
@@ -23,12 +22,10 @@ def run_eval(config: RunConfig) -> dict[str, float]:
     if data.eval is None:
         raise ConfigError("no eval dataset: set data.eval (or pass --data FILE.jsonl)")
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    rows = load_rows(data.eval.task, data.eval.path, data.eval.split, config.seed, data.eval.limit,
-                     data.prompt_key, data.answer_key)
+    rows = load_dataset(data.eval, data, config.seed)
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
     prompts = [encoder.encode(row) for row in rows]
-    reward_fn = combine_rewards([(f.name, resolve_reward(f.name, f.kwargs), f.weight)
-                                 for f in config.reward.functions])
+    reward_fn = build_reward_fn(config.reward)
     start_ray(config.cluster.address, config.cluster.num_cpus)
     try:
         role = config.roles.actor_infer

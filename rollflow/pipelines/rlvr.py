@@ -15,19 +15,20 @@ import ray
 from rollflow.cluster.groups import RoleWorkers, create_role_workers
 from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
 from rollflow.config import RunConfig, dump_config
-from rollflow.data.prompts import PromptEncoder, PromptSampler, load_rows
+from rollflow.data.prompts import PromptEncoder, PromptSampler
 from rollflow.data.sample import Batch, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.models import load_tokenizer
 from rollflow.pipelines.rlvr_steps import (
     AdvantageStage,
+    build_reward_fn,
     check_logprob_parity,
     drop_groups,
+    load_dataset,
     rollout_metrics,
     usable,
     write_samples,
 )
-from rollflow.rewards import combine_rewards, resolve_reward
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
@@ -44,14 +45,11 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     data = config.data
-    train_rows = load_rows(data.train.task, data.train.path, data.train.split, config.seed, data.train.limit,
-                           data.prompt_key, data.answer_key)
-    eval_rows = (load_rows(data.eval.task, data.eval.path, data.eval.split, config.seed, data.eval.limit,
-                           data.prompt_key, data.answer_key) if data.eval else [])
+    train_rows = load_dataset(data.train, data, config.seed)
+    eval_rows = load_dataset(data.eval, data, config.seed) if data.eval else []
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
     eval_prompts = [encoder.encode(row) for row in eval_rows]
-    reward_fn = combine_rewards([(f.name, resolve_reward(f.name, f.kwargs), f.weight)
-                                 for f in config.reward.functions])
+    reward_fn = build_reward_fn(config.reward)
     sampler = PromptSampler(train_rows, config.rollout.prompts_per_step, config.seed, data.shuffle)
 
     run_dir = config.run_dir

@@ -26,9 +26,22 @@ from rollflow.algorithms import (
     overlong_reward_penalty,
     whiten,
 )
-from rollflow.config import AlgorithmConfig
+from rollflow.config import AlgorithmConfig, DataConfig, DatasetConfig, RewardConfig
+from rollflow.data.prompts import Row, load_rows
 from rollflow.data.sample import Batch, Sample, SampleStatus
 from rollflow.errors import ParityError
+from rollflow.rewards import combine_rewards, resolve_reward
+
+
+def load_dataset(dataset: DatasetConfig, data: DataConfig, seed: int) -> list[Row]:
+    """Rows of one configured dataset (train or eval), with the config's column names."""
+    return load_rows(dataset.task, dataset.path, dataset.split, seed, dataset.limit, data.prompt_key,
+                     data.answer_key)
+
+
+def build_reward_fn(reward: RewardConfig):
+    """The weighted sum of the configured reward functions: `(completion, **row) -> (total, parts)`."""
+    return combine_rewards([(f.name, resolve_reward(f.name, f.kwargs), f.weight) for f in reward.functions])
 
 
 def drop_groups(batch: Batch, algorithm: AlgorithmConfig) -> tuple[Batch, dict[str, float]]:
