@@ -85,8 +85,10 @@ def test_user_model_dataset_and_dotted_path_reward(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "scoring.py").write_text(textwrap.dedent("""
         def overlap(completion, *, answer, bonus, **row):
-            # fraction of answer characters present, plus the dataset's extra column
-            return sum(c in completion for c in answer) / len(answer) + 0.1 * bonus
+            # fraction of answer characters present, plus the dataset's extra column, plus a small
+            # text-dependent term so a random model's samples do not all score the same (zero advantages)
+            spread = sum(map(ord, completion)) % 10 / 100
+            return sum(c in completion for c in answer) / len(answer) + 0.1 * bonus + spread
     """))
     config = tmp_path / "cfg.yaml"
     config.write_text(textwrap.dedent(f"""
