@@ -214,16 +214,31 @@ class RoleConfig(Strict):
 
     num_workers: int = Field(default=1, gt=0)
     num_cpus: float = Field(default=1.0, gt=0)  # CPU slots each worker reserves (and its thread count)
+    # Device indices this role's workers use (ROLL's AutoDeviceMapping), split evenly over the workers. Roles
+    # whose devices overlap are colocated and time-share; disjoint roles run concurrently. None: the role
+    # needs no device of its own (CPU default: every role shares the machine's CPU slots).
+    device_mapping: list[int] | None = None
+
+
+class LoraConfig(Strict):
+    """Train LoRA adapters (PEFT) instead of all weights; the base model stays frozen."""
+
+    rank: int = Field(default=8, gt=0)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"  # PEFT names, or "all-linear"
 
 
 class ActorTrainConfig(RoleConfig):
-    backend: str = "torch"
+    backend: str = "torch"  # "torch" (one process) or "fsdp2" (data parallel over num_workers ranks)
     backend_kwargs: dict[str, Any] = {}
+    lora: LoraConfig | None = None
 
 
 class ActorInferConfig(RoleConfig):
     engine: str = "hf"
     max_batch_size: int = Field(default=256, gt=0)  # sequences decoded together
+    max_in_flight_requests: int = Field(default=64, gt=0)  # requests the router sends one worker at a time
     engine_kwargs: dict[str, Any] = {}
 
 
@@ -238,11 +253,14 @@ class RolesConfig(Strict):
     actor_infer: ActorInferConfig = ActorInferConfig()
     reference: ReferenceConfig = ReferenceConfig()  # started when algorithm.needs_reference
     critic: RoleConfig = RoleConfig()  # value model, started when algorithm.advantage is gae
+    reward: RoleConfig = RoleConfig()  # model-based rewards (LLM judge, reward model), started when used
 
 
 class ClusterConfig(Strict):
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join a running cluster
     num_cpus: int | None = None  # CPUs a local Ray may use (default: all)
+    device: Literal["cpu", "gpu"] = "cpu"  # what a device index in roles.*.device_mapping names
+    num_devices: int | None = None  # devices per node (default: CPUs or GPUs Ray sees on the first node)
 
 
 class ChecksConfig(Strict):
