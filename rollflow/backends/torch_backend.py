@@ -4,7 +4,9 @@ The loss function is passed in (compose, don't inherit): `loss_fn(logits, micro_
 (loss, metrics)`, where `loss` is the micro-batch's contribution to the global loss (see
 `rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on the micro-batch size.
 With `value_head=True` the model is a `ValueModel` (the critic) and the loss function receives [b, T]
-values instead of [b, T, V] logits.
+values instead of [b, T, V] logits. With `lora=...` the causal LM is wrapped with PEFT LoRA adapters (see
+`rollflow.backends.lora`): only the adapters train, the base model with adapters disabled is the reference
+policy, and weights leave the trainer merged, under the plain model's names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rollflow.algorithms import LossNormalizer, loss_normalizer
+from rollflow.backends import lora as lora_adapters
 from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
 from rollflow.backends.value_model import ValueModel, response_values
 from rollflow.data.sample import Batch
@@ -53,6 +56,8 @@ class TorchBackend:
         value_head: hold a `ValueModel` (backbone + scalar head) instead of the causal LM, for a critic.
         max_response_length: the constant L of `seq_mean_token_sum_norm` (the generation limit); None uses
             each batch's padded response width.
+        lora: `rollflow.config.LoraConfig` fields (rank, alpha, dropout, target_modules) to train LoRA
+            adapters instead of all weights; None trains every weight.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -60,12 +65,17 @@ class TorchBackend:
                  max_grad_norm: float = 1.0, micro_batch_size: int = 32, trainable: bool = True,
                  lr_schedule: str = "constant", total_steps: int = 0,
                  trust_remote_code: bool = False, value_head: bool = False,
-                 max_response_length: int | None = None):
+                 max_response_length: int | None = None, lora: dict | None = None):
+        if lora is not None and (value_head or not trainable):
+            raise ValueError("lora needs a trainable causal LM (not value_head=True or trainable=False)")
         self.value_head = value_head
+        self.lora = lora
         if value_head:
             self.model = ValueModel.from_pretrained(model_path, dtype, trust_remote_code)
         else:
             self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        if lora is not None:
+            self.model = lora_adapters.wrap_with_lora(self.model, lora)  # freezes the base weights
         self.forward = response_values if value_head else model_logits  # [b, T] values or [b, T, V] logits
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.micro_batch_size = micro_batch_size
@@ -73,8 +83,10 @@ class TorchBackend:
         self.max_grad_norm = max_grad_norm
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
+        # only what trains goes to the optimizer and the clipping (all weights, or just the LoRA adapters)
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         if trainable:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
+            self.optimizer = torch.optim.AdamW(self.trainable_parameters, lr=lr, betas=betas,
                                                weight_decay=weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
@@ -96,6 +108,16 @@ class TorchBackend:
             parts.append(token_logprobs(logits, response_tokens(micro), temperature) * (micro.attention_mask[
                 :, micro.prompt_length:] > 0))
         return torch.cat(parts)
+
+    def forward_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Logprobs under the reference policy: the base model with the LoRA adapters disabled (no second
+        copy of the model). Returns [B, T] (0 where padded).
+        """
+        if self.lora is None:
+            raise RuntimeError("forward_reference_logprobs needs lora: without adapters the trained weights "
+                               "are the policy, so the reference is a separate frozen model")
+        with self.model.disable_adapter():
+            return self.forward_logprobs(batch, temperature)
 
     @torch.no_grad()
     def forward_values(self, batch: Batch) -> torch.Tensor:
@@ -122,7 +144,7 @@ class TorchBackend:
             weight = float(micro.response_mask.sum()) / total_tokens  # token-weighted metric average
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters, self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -130,8 +152,15 @@ class TorchBackend:
                 "lr": self.scheduler.get_last_lr()[0]}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Parameters by name, detached on CPU (tied weights appear once), for weight sync."""
-        return {name: p.detach().to("cpu").contiguous() for name, p in self.model.named_parameters()}
+        """Parameters by name, detached on CPU (tied weights appear once), for weight sync.
+
+        With LoRA: the merged weights under the plain HF model's parameter names and shapes.
+        """
+        if self.lora is not None:
+            weights = lora_adapters.merged_named_parameters(self.model)
+        else:
+            weights = {name: p.detach() for name, p in self.model.named_parameters()}
+        return {name: tensor.to("cpu").contiguous() for name, tensor in weights.items()}
 
     def offload(self) -> None:
         """Free accelerator memory between phases (nothing to move on CPU)."""
@@ -141,10 +170,13 @@ class TorchBackend:
 
     def save(self, path: str | Path) -> None:
         """Model + tokenizer in HF format under `path` (a value model: `value_model.safetensors`), optimizer /
-        scheduler / RNG in `trainer_state.pt`."""
+        scheduler / RNG in `trainer_state.pt`. With LoRA, `path` holds the adapters in PEFT format and
+        `path/merged` the merged model in HF format."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if self.value_head:
+        if self.lora is not None:
+            lora_adapters.save_lora(self.model, path, self.tokenizer)
+        elif self.value_head:
             self.model.save(path)
         else:
             self.model.save_pretrained(path, safe_serialization=True)
@@ -156,12 +188,14 @@ class TorchBackend:
             "python_rng": random.getstate(),
         }
         torch.save(state, path / "trainer_state.pt")
-        (path / "rollflow_checkpoint.json").write_text(json.dumps({"format": 1}))
+        (path / "rollflow_checkpoint.json").write_text(json.dumps({"format": 1, "lora": self.lora is not None}))
 
     def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote (weights, optimizer, scheduler, RNG)."""
+        """Restore what `save` wrote (weights or LoRA adapters, optimizer, scheduler, RNG)."""
         path = Path(path)
-        if self.value_head:
+        if self.lora is not None:
+            lora_adapters.load_lora(self.model, path)
+        elif self.value_head:
             self.model.load(path)
         else:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")

@@ -70,6 +70,11 @@ class ActorTrainWorker:
         self.backend.load(path)
         self.version = version
 
+    def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] reference logprobs: the base model with the LoRA adapters disabled (LoRA runs need no
+        reference worker)."""
+        return self.backend.forward_reference_logprobs(batch, self.temperature)
+
 
 def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int) -> dict[str, float]:
     """Shuffle `batch`, split it into `mini_batches` near-equal parts, take one optimizer step on each.
