@@ -26,6 +26,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_config(config), end="")
         return 0
+    if args.print_plan:
+        from rollflow.pipelines.rlvr import describe_plan
+
+        print(describe_plan(config))
+        return 0
     from rollflow.pipelines.rlvr import run_rlvr
 
     final = run_rlvr(config)
@@ -54,6 +59,12 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     return build_main(args.rest)
 
 
+def _remote_cause(err: BaseException) -> BaseException:
+    """The worker's own exception when `err` came out of a Ray actor (whose message is a whole traceback)."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) and type(err).__name__.startswith("RayTaskError") else err
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="overrides like rollout.prompts_per_step=8")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--print-plan", action="store_true",
+                       help="print which worker of which role sits on which device and node, and exit")
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
@@ -93,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except errors as err:
-        print(f"rollflow: error: {err}", file=sys.stderr)
+        print(f"rollflow: error: {_remote_cause(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("rollflow: interrupted", file=sys.stderr)

@@ -260,12 +260,16 @@ class ClusterConfig(Strict):
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join a running cluster
     num_cpus: int | None = None  # CPUs a local Ray may use (default: all)
     device: Literal["cpu", "gpu"] = "cpu"  # what a device index in roles.*.device_mapping names
-    num_devices: int | None = None  # devices per node (default: CPUs or GPUs Ray sees on the first node)
+    num_devices: int | None = None  # devices per node (default: the CPUs or GPUs Ray sees per node)
+    weight_sync_bucket_mb: float = Field(default=64.0, gt=0)  # trainer -> engines transfer piece size
 
 
 class ChecksConfig(Strict):
     logprob_parity_samples: int = Field(default=8, ge=0)  # step-0 trainer-vs-engine logprob check
     logprob_parity_tolerance: float = Field(default=1e-2, gt=0)  # max abs diff that stops the run
+    # Test hook: corrupt the weight transfer after this many syncs (flip one byte after the checksum is taken)
+    # to prove the engines catch it and the run stops. Never set it in a real run.
+    fault_injection_flip_sync_byte_at: int | None = Field(default=None, ge=1)
 
 
 class OutputConfig(Strict):
@@ -306,12 +310,32 @@ class RunConfig(Strict):
         mini_batch = samples // mini_batches
         micro = self.train.train_micro_batch_size
         workers = self.roles.actor_train.num_workers
-        if mini_batch % (micro * workers) and micro < mini_batch:
+        if mini_batch % workers:
+            raise ValueError(
+                f"each optimizer step trains on {mini_batch} samples, which the {workers} data-parallel ranks "
+                f"(roles.actor_train.num_workers) cannot split evenly; change rollout.prompts_per_step, "
+                f"train.optimizer_steps_per_step or roles.actor_train.num_workers"
+            )
+        if mini_batch % (micro * workers) and micro * workers < mini_batch:
             raise ValueError(
                 f"each optimizer step trains on {mini_batch} samples, which is not divisible by "
                 f"train.train_micro_batch_size ({micro}) x roles.actor_train.num_workers ({workers}); "
                 f"change train.train_micro_batch_size or rollout.prompts_per_step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _backend_fits_the_roles(self) -> RunConfig:
+        actor = self.roles.actor_train
+        if actor.num_workers > 1 and actor.backend == "torch":
+            raise ValueError(
+                f"roles.actor_train.num_workers is {actor.num_workers} but the torch backend trains in one "
+                "process; set roles.actor_train.backend: fsdp2 for data-parallel training"
+            )
+        if actor.lora is not None and actor.backend != "torch":
+            raise ValueError(f"roles.actor_train.lora works with the torch backend only (got {actor.backend!r})")
+        if self.roles.critic.num_workers > 1:
+            raise ValueError("roles.critic.num_workers > 1 is not supported yet; the critic trains in one process")
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
 from rollflow.config import RunConfig
 from rollflow.data.prompts import PromptEncoder
@@ -29,8 +30,9 @@ def run_eval(config: RunConfig) -> dict[str, float]:
     start_ray(config.cluster.address, config.cluster.num_cpus)
     try:
         role = config.roles.actor_infer
-        workers = [ray.remote(num_cpus=0)(RolloutWorker).remote(config, role.num_cpus, i)
-                   for i in range(role.num_workers)]
+        threads = max(1, int(role.num_cpus))
+        placements = [WorkerPlacement("actor_infer", i, (), None, (), threads) for i in range(role.num_workers)]
+        workers = [ray.remote(num_cpus=0)(RolloutWorker).remote(config, p) for p in placements]
         scheduler = RolloutScheduler(workers, reward_fn,
                                      lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)

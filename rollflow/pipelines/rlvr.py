@@ -7,12 +7,16 @@ The driver (single controller) owns the loop; each role runs in its own Ray acto
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import ray
+import torch
 
-from rollflow.cluster.groups import RoleWorkers, create_role_workers
+from rollflow.cluster.colocation import ColocationManager
+from rollflow.cluster.groups import RoleWorkers, cluster_shape, create_role_workers, roles_needed
+from rollflow.cluster.placement import plan_placement
 from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
 from rollflow.config import RunConfig, dump_config
 from rollflow.data.prompts import PromptEncoder, PromptSampler
@@ -64,49 +68,67 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     if manage_ray:
         start_ray(config.cluster.address, config.cluster.num_cpus)
     algorithm = config.algorithm
-    workers = create_role_workers(config, with_reference=algorithm.needs_reference,
-                                  with_critic=algorithm.needs_critic)
-    advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
-    scheduler = RolloutScheduler(workers.actor_infer, reward_fn, _decoder(tokenizer))
+    workers = create_role_workers(config)
     tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
+    tracker.print(workers.plan.describe())
+    write_placement(run_dir / "placement.json", workers)
+    colocation = ColocationManager(workers.plan, {g.role: g for g in workers.groups})
+    advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
+    scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer))
     rollout = config.rollout
     sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                               n=rollout.samples_per_prompt)
     greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
+    bucket_bytes = int(config.cluster.weight_sync_bucket_mb * 2**20)
+    syncs = 0
 
     def sync_weights() -> dict[str, float]:
+        nonlocal syncs
+        syncs += 1
+        colocation.enter("weight_sync")
         started = time.perf_counter()
-        payload = workers.actor_train.weights_for_sync.remote()
-        versions = ray.get([w.update_weights.remote(payload) for w in workers.actor_infer])
-        nbytes = ray.get(payload)[3]
-        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": nbytes, "sync/version": versions[0]}
+        corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
+        manifest = workers.actor_train.call("weights_for_sync", bucket_bytes, corrupt)
+        loaded = ray.get(workers.actor_infer.call_async("update_weights", manifest))  # WeightSyncError stops here
+        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
+                "sync/buckets": len(manifest.buckets), "sync/version": manifest.version,
+                "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
 
     def train_on(batch: Batch, step: int) -> dict[str, float]:
         """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
-        if workers.reference is not None:
-            batch.extras["ref_logprobs"] = ray.get(workers.reference.compute_logprobs.remote(batch))
+        if algorithm.needs_reference and workers.reference is None:  # LoRA: the base model, adapters off
+            colocation.enter("old_logprobs")
+            batch.extras["ref_logprobs"] = workers.actor_train.call("compute_reference_logprobs", batch)
+        elif workers.reference is not None:
+            colocation.enter("reference")
+            batch.extras["ref_logprobs"] = workers.reference.map_rows("compute_logprobs", batch)
         if advantages.needs_policy_logprobs:
-            batch.extras["old_logprobs"] = ray.get(workers.actor_train.compute_logprobs.remote(batch))
+            colocation.enter("old_logprobs")
+            batch.extras["old_logprobs"] = workers.actor_train.call("compute_logprobs", batch)
         if workers.critic is not None:
-            batch.extras["values"] = ray.get(workers.critic.compute_values.remote(batch))
+            colocation.enter("values")
+            batch.extras["values"] = workers.critic.call("compute_values", batch)
         metrics = advantages(batch)
         if workers.critic is not None:
-            metrics.update(ray.get(workers.critic.train.remote(batch)))
+            colocation.enter("critic_train")
+            metrics.update(workers.critic.call("train", batch))
         if step > config.train.critic_warmup_steps:
-            metrics.update(ray.get(workers.actor_train.train.remote(batch)))
+            colocation.enter("actor_train")
+            metrics.update(workers.actor_train.call("train", batch))
         return metrics
 
     def evaluate() -> dict[str, float]:
         if not eval_prompts:
             return {}
+        colocation.enter("rollout")
         return rollout_metrics(scheduler.generate(eval_prompts, greedy).samples, prefix="eval")
 
     first_step, initial_eval = 0, {}
     if resume_from:
         state = json.loads((resume_from / "driver_state.json").read_text())
-        ray.get(workers.actor_train.load.remote(str(resume_from / "model"), state["step"]))
+        workers.actor_train.call("load", str(resume_from / "model"), state["step"])
         if workers.critic is not None:
-            ray.get(workers.critic.load.remote(str(resume_from / "critic")))
+            workers.critic.call("load", str(resume_from / "critic"))
         sampler.load_state(state["sampler"])
         advantages.load_state(state.get("advantage_stage"))
         first_step, initial_eval = state["step"], state.get("initial_eval", {})
@@ -121,13 +143,15 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     for step in range(first_step + 1, config.train.steps + 1):
         step_started = time.perf_counter()
         prompts = [encoder.encode(row) for row in sampler.next_batch()]
+        colocation.enter("rollout")
         result = scheduler.generate(prompts, sampling)
         samples = usable(result.samples)
         batch = collate(samples, tokenizer.pad_token_id)
         metrics = {**result.metrics, **rollout_metrics(result.samples)}
         if step == first_step + 1 and config.checks.logprob_parity_samples:
-            probe = batch.select(slice(0, config.checks.logprob_parity_samples))
-            trainer_logprobs = ray.get(workers.actor_train.compute_logprobs.remote(probe))
+            probe = batch.select(torch.tensor(parity_probe(samples, config.checks.logprob_parity_samples)))
+            colocation.enter("old_logprobs")
+            trainer_logprobs = workers.actor_train.call("compute_logprobs", probe)
             metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
                 probe, trainer_logprobs, config.checks.logprob_parity_tolerance)
         batch, filter_metrics = drop_groups(batch, algorithm)  # difficulty mask; may drop every group
@@ -135,6 +159,7 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
         if batch.size:
             metrics.update(train_on(batch, step))
         metrics.update(sync_weights())
+        metrics.update(colocation.pop_metrics())
         if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
             metrics.update(evaluate())
         metrics["time/step"] = time.perf_counter() - step_started
@@ -149,11 +174,25 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
                       f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
     tracker.close()
     plot_curves(run_dir)
+    workers.shutdown()
     if manage_ray:
         stop_ray()
-    else:
-        _kill_workers(workers)
     return final
+
+
+def describe_plan(config: RunConfig) -> str:
+    """The placement plan of `config` as `rollflow train --print-plan` prints it. Joins the Ray cluster
+    when `cluster.address` is set (to count its nodes); otherwise plans for this machine without Ray."""
+    if config.cluster.address:
+        start_ray(config.cluster.address)
+        try:
+            devices_per_node, num_nodes = cluster_shape(config)
+        finally:
+            stop_ray()
+    else:
+        local = len(os.sched_getaffinity(0)) if config.cluster.device == "cpu" else torch.cuda.device_count()
+        devices_per_node, num_nodes = config.cluster.num_devices or config.cluster.num_cpus or local, 1
+    return plan_placement(config, roles_needed(config), devices_per_node, num_nodes).describe()
 
 
 def _save_checkpoint(path: Path, workers: RoleWorkers, step: int, sampler: PromptSampler,
@@ -161,9 +200,9 @@ def _save_checkpoint(path: Path, workers: RoleWorkers, step: int, sampler: Promp
     """Model (HF format) + optimizer/RNG from the trainer (and critic); step, data position, reward and KL
     statistics from the driver."""
     path.mkdir(parents=True, exist_ok=True)
-    ray.get(workers.actor_train.save.remote(str(path / "model")))
+    workers.actor_train.call("save", str(path / "model"))
     if workers.critic is not None:
-        ray.get(workers.critic.save.remote(str(path / "critic")))
+        workers.critic.call("save", str(path / "critic"))
     state = {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
              "initial_eval": initial_eval}
     (path / "driver_state.json").write_text(json.dumps(state))
@@ -174,11 +213,25 @@ def _latest_checkpoint(checkpoints: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
-def _kill_workers(workers: RoleWorkers) -> None:
-    """End this run's actors (their processes) when the Ray session outlives the run."""
-    for worker in [workers.actor_train, *workers.actor_infer, workers.reference, workers.critic]:
-        if worker is not None:
-            ray.kill(worker)
+def parity_probe(samples: list, count: int) -> list[int]:
+    """Row indices of up to `count` samples per inference-engine worker, so the step-0 logprob check
+    covers every engine."""
+    taken: dict[int, int] = {}
+    rows = []
+    for row, sample in enumerate(samples):
+        worker = sample.metadata.get("worker", 0)
+        if taken.get(worker, 0) < count:
+            taken[worker] = taken.get(worker, 0) + 1
+            rows.append(row)
+    return rows
+
+
+def write_placement(path: Path, workers: RoleWorkers) -> None:
+    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices."""
+    placement = {group.role: [{"worker": p.index, "node": node, "devices": list(p.devices)}
+                              for p, node in zip(group.placements, group.nodes())]
+                 for group in workers.groups}
+    path.write_text(json.dumps(placement, indent=1))
 
 
 def _decoder(tokenizer):

@@ -2,40 +2,64 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from rollflow.backends import create_backend
-from rollflow.cluster.runtime import pin_threads
-from rollflow.cluster.weight_sync import weights_checksum, weights_nbytes
+from rollflow.cluster.placement import WorkerPlacement
+from rollflow.cluster.runtime import free_port
+from rollflow.cluster.weight_sync import WeightManifest, publish_weights
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
 from rollflow.workers.actor_loss import ActorLoss
+from rollflow.workers.base import PlacedWorker
 
 
-class ActorTrainWorker:
-    """One training worker. Created as a Ray actor by `rollflow.cluster.groups`."""
+class ActorTrainWorker(PlacedWorker):
+    """One data-parallel rank of the trainer. Created as a Ray actor by `rollflow.cluster.groups`.
 
-    def __init__(self, config: RunConfig, num_cpus: float):
-        self.threads = pin_threads(num_cpus)
+    Construction only pins the process; `init_backend` builds the model once every rank knows rank 0's
+    rendezvous address (the fsdp2 backend joins a torch.distributed process group there).
+    """
+
+    def __init__(self, config: RunConfig, placement: WorkerPlacement, world_size: int = 1):
+        super().__init__(placement, config.cluster.device)
+        self.config = config
+        self.rank, self.world_size = placement.index, world_size
+        self.backend = None
+        self.loss = ActorLoss(config.algorithm, config.rollout.temperature)
+        self.temperature = config.rollout.temperature
+        self.mini_batches = config.train.optimizer_steps_per_step
+        self.version = 0
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host, free port) of this worker, where rank 0 hosts the process-group rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_backend(self, master_addr: str, master_port: int) -> None:
+        """Build the training backend; every rank calls this at the same time (a collective for fsdp2)."""
+        os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.world_size),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        config = self.config
         torch.manual_seed(config.seed)
         role, train = config.roles.actor_train, config.train
+        lora = {"lora": role.lora.model_dump()} if role.lora is not None else {}
         self.backend = create_backend(
             role.backend, model_path=config.model.path, dtype=config.model.dtype, lr=train.lr,
             betas=train.betas, weight_decay=train.weight_decay, warmup_steps=train.warmup_steps,
             max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
             lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
             trust_remote_code=config.model.trust_remote_code,
-            max_response_length=config.rollout.max_new_tokens, **role.backend_kwargs,
+            max_response_length=config.rollout.max_new_tokens, **lora, **role.backend_kwargs,
         )
-        self.loss = ActorLoss(config.algorithm, config.rollout.temperature)
-        self.temperature = config.rollout.temperature
-        self.mini_batches = train.optimizer_steps_per_step
-        self.version = 0
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] logprobs of the response tokens under the current weights."""
+        self.require_resident("compute_logprobs")
         return self.backend.forward_logprobs(batch, self.temperature)
 
     def train(self, batch: Batch) -> dict[str, float]:
@@ -44,6 +68,7 @@ class ActorTrainWorker:
         Uses `batch.extras["old_logprobs"]` when the driver already computed them (KL in the reward, opd);
         otherwise computes them first when later mini-batches need them.
         """
+        self.require_resident("train")
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.mini_batches > 1 and "old_logprobs" not in batch.extras:
@@ -53,15 +78,26 @@ class ActorTrainWorker:
             gap = (batch.extras["old_logprobs"] - batch.rollout_logprobs).abs()  # [B, T]
             gap = gap * batch.response_mask
             metrics["check/train_infer_logprob_max_gap"] = float(gap.max())
-        metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches))
+        # every rank must draw the same mini-batch split: a generator seeded by (seed, version), not the
+        # global RNG (which model code may consume differently per rank)
+        shuffle = torch.Generator().manual_seed(self.config.seed * 100_003 + self.version)
+        metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle))
         self.version += 1
         metrics["time/train"] = time.perf_counter() - started
         return metrics
 
-    def weights_for_sync(self) -> tuple[dict[str, torch.Tensor], int, str, int]:
-        """(named tensors, policy version, checksum, bytes) for the inference engines."""
-        weights = self.backend.named_weights()
-        return weights, self.version, weights_checksum(weights), weights_nbytes(weights)
+    def weights_for_sync(self, bucket_bytes: int, corrupt: bool = False) -> WeightManifest | None:
+        """Publish the current weights for the inference engines (a collective: every rank calls it).
+
+        Rank 0 puts them in the Ray object store in buckets of about `bucket_bytes` and returns the manifest
+        (version, checksum, bucket refs); other ranks return None. `corrupt` flips one byte after the
+        checksum is taken (the `checks.fault_injection` test hook).
+        """
+        self.require_resident("weights_for_sync")
+        weights = self.backend.named_weights()  # full weights on rank 0, {} elsewhere
+        if self.rank != 0:
+            return None
+        return publish_weights(weights, self.version, bucket_bytes, corrupt)
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -76,13 +112,14 @@ class ActorTrainWorker:
         return self.backend.forward_reference_logprobs(batch, self.temperature)
 
 
-def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int) -> dict[str, float]:
+def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int,
+                       generator: torch.Generator | None = None) -> dict[str, float]:
     """Shuffle `batch`, split it into `mini_batches` near-equal parts, take one optimizer step on each.
 
     Returns the metrics averaged over the optimizer steps. Parts are empty only when the batch has fewer
     rows than `mini_batches` (after the difficulty mask dropped groups); those are skipped.
     """
-    order = torch.randperm(batch.size)
+    order = torch.randperm(batch.size, generator=generator)
     parts = [part for part in order.tensor_split(mini_batches) if part.numel()]
     metrics: dict[str, float] = {}
     for part in parts:

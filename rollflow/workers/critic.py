@@ -12,10 +12,11 @@ import torch
 
 from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, clipped_value_loss
 from rollflow.backends import create_backend
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
 from rollflow.workers.actor_train import train_mini_batches
+from rollflow.workers.base import PlacedWorker
 
 
 class CriticLoss:
@@ -50,15 +51,15 @@ class CriticLoss:
         return loss, metrics
 
 
-class CriticWorker:
+class CriticWorker(PlacedWorker):
     """One critic worker. Created as a Ray actor by `rollflow.cluster.groups` when advantage is `gae`."""
 
-    def __init__(self, config: RunConfig, num_cpus: float):
-        self.threads = pin_threads(num_cpus)
+    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+        super().__init__(placement, config.cluster.device)
         torch.manual_seed(config.seed)
         train = config.train
         self.backend = create_backend(
-            config.roles.actor_train.backend, model_path=config.model.path, dtype=config.model.dtype,
+            "torch", model_path=config.model.path, dtype=config.model.dtype,
             lr=train.critic_lr, betas=train.betas, weight_decay=train.weight_decay,
             warmup_steps=train.warmup_steps, max_grad_norm=train.max_grad_norm,
             micro_batch_size=train.train_micro_batch_size, lr_schedule=train.lr_schedule,

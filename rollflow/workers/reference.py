@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 
 from rollflow.backends import create_backend
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.groups import reference_config
+from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
+from rollflow.workers.base import PlacedWorker
 
 
-class ReferenceWorker:
-    def __init__(self, config: RunConfig, num_cpus: float):
-        self.threads = pin_threads(num_cpus)
+class ReferenceWorker(PlacedWorker):
+    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+        super().__init__(placement, config.cluster.device)
+        config = reference_config(config)
         self.backend = create_backend(
-            config.roles.actor_train.backend, model_path=config.model.path, dtype=config.model.dtype,
+            "torch", model_path=config.model.path, dtype=config.model.dtype,
             micro_batch_size=config.train.train_micro_batch_size, trainable=False,
             trust_remote_code=config.model.trust_remote_code,
         )

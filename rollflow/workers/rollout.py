@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import torch
+import time
 
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.placement import WorkerPlacement
+from rollflow.cluster.weight_sync import WeightManifest, assemble_weights
 from rollflow.config import RunConfig
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
+from rollflow.workers.base import PlacedWorker, move_report
 
 
-class RolloutWorker:
+class RolloutWorker(PlacedWorker):
     """Serves `generate` / `abort` concurrently (async actor) and loads synced weights."""
 
-    def __init__(self, config: RunConfig, num_cpus: float, worker_index: int = 0):
-        self.threads = pin_threads(num_cpus)
+    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+        super().__init__(placement, config.cluster.device)
         role = config.roles.actor_infer
-        self.worker_index = worker_index
+        worker_index = self.worker_index = placement.index
         self.engine = create_engine(
             role.engine, model_path=config.model.path, dtype=config.model.dtype,
             max_batch_size=role.max_batch_size, seed=config.seed * 1000 + worker_index,
@@ -31,17 +33,27 @@ class RolloutWorker:
     async def abort(self, request_ids: list[str]) -> None:
         self.engine.abort(request_ids)
 
-    async def update_weights(self, payload: tuple[dict[str, torch.Tensor], int, str, int]) -> int:
-        """Load `(weights, version, checksum, nbytes)` from `ActorTrainWorker.weights_for_sync`."""
-        weights, version, checksum, _ = payload
-        self.engine.update_weights(weights, version, checksum)
-        return version
+    async def update_weights(self, manifest: WeightManifest) -> dict[str, float]:
+        """Fetch the buckets of `manifest` (from `ActorTrainWorker.weights_for_sync`), verify the checksum,
+        load them into the engine. Returns the new version and the fetch / load seconds."""
+        started = time.perf_counter()
+        buckets = [await ref for ref in manifest.buckets]  # one bucket in flight at a time
+        weights = assemble_weights(manifest, buckets)  # raises WeightSyncError on a corrupted transfer
+        fetched = time.perf_counter()
+        self.engine.update_weights(weights, manifest.version, manifest.checksum)
+        return {"version": manifest.version, "fetch_seconds": fetched - started,
+                "load_seconds": time.perf_counter() - fetched}
 
     async def version(self) -> int:
         return self.engine.version
 
-    async def sleep(self) -> None:
+    async def offload(self) -> dict[str, float]:
+        """Put the engine to sleep (frees its weights / KV cache on GPU) while a colocated role runs."""
+        started = time.perf_counter()
         self.engine.sleep()
+        return move_report(started)
 
-    async def wake(self) -> None:
+    async def onload(self) -> dict[str, float]:
+        started = time.perf_counter()
         self.engine.wake()
+        return move_report(started)

@@ -33,3 +33,31 @@ def test_renamed_or_reshaped_tensor_changes_the_checksum():
     renamed = {("z" if k == "a" else k): v for k, v in weights.items()}
     reshaped = {**weights, "b": weights["b"].reshape(4, 3)}
     assert len({weights_checksum(w) for w in (weights, renamed, reshaped)}) == 3
+
+
+def test_buckets_bound_size_and_keep_every_tensor():
+    from rollflow.cluster.weight_sync import split_buckets
+
+    weights = {f"w{i}": torch.zeros(10) for i in range(5)}  # 40 bytes each
+    weights["big"] = torch.zeros(100)  # 400 bytes: alone in its bucket
+    buckets = split_buckets(weights, bucket_bytes=90)
+    assert [sorted(b) for b in buckets] == [["big"], ["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert split_buckets(weights, bucket_bytes=10**6) == [dict(sorted(weights.items()))]
+
+
+def test_publish_and_assemble_through_the_object_store(ray_session):
+    import ray
+
+    from rollflow.cluster.weight_sync import assemble_weights, publish_weights
+
+    weights = _weights()
+    manifest = publish_weights(weights, version=3, bucket_bytes=50)
+    assert len(manifest.buckets) == 3 and manifest.num_tensors == 3 and manifest.version == 3
+    received = assemble_weights(manifest, ray.get(manifest.buckets))
+    assert all(torch.equal(received[k], weights[k]) for k in weights)
+
+    corrupted = publish_weights(weights, version=4, bucket_bytes=50, corrupt=True)
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        assemble_weights(corrupted, ray.get(corrupted.buckets))
+    with pytest.raises(WeightSyncError, match="delivered 2 tensors, the trainer sent 3"):
+        assemble_weights(manifest, ray.get(manifest.buckets[:2]))

@@ -1,0 +1,89 @@
+"""Offload / onload of colocated roles between the phases of a step (a small state machine).
+
+Each role is either `resident` (weights, optimizer state, KV cache on its devices) or `offloaded` (moved to
+host memory; an inference engine is asleep). Entering a phase onloads the roles that phase uses and first
+offloads every resident role that shares a device with them and is not used by the phase. Disaggregated roles
+never move. On CPU the moves are no-ops but the transitions, their order and their metrics are the same as on
+GPUs, so this logic is tested on every commit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from rollflow.cluster.placement import PlacementPlan
+
+# The roles each phase of a step runs. Weight sync needs the trainer (it exports) and the engines (they load).
+PHASE_ROLES: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_infer",),
+    "reference": ("reference",),
+    "old_logprobs": ("actor_train",),
+    "values": ("critic",),
+    "critic_train": ("critic",),
+    "actor_train": ("actor_train",),
+    "weight_sync": ("actor_train", "actor_infer"),
+}
+
+
+def transitions(plan: PlacementPlan, resident: dict[str, bool], phase: str) -> tuple[list[str], list[str]]:
+    """The roles to offload and to onload (in that order) before `phase` runs.
+
+    Args:
+        plan: the placement plan (which roles share devices).
+        resident: role -> whether it is resident now, for every started role.
+        phase: a key of `PHASE_ROLES`.
+
+    Returns:
+        (offload, onload): resident roles that are idle in `phase` and share a device with a role it uses;
+        roles the phase uses that are offloaded.
+    """
+    active = [role for role in PHASE_ROLES[phase] if role in resident]
+    offload = [role for role, on in resident.items()
+               if on and role not in active and any(plan.colocated(role, used) for used in active)]
+    onload = [role for role in active if not resident[role]]
+    return offload, onload
+
+
+@dataclass
+class ColocationManager:
+    """Applies `transitions` to the running workers and records what each move cost.
+
+    Args:
+        plan: the placement plan.
+        groups: role -> `WorkerGroup` of every started role (worker methods `offload()` / `onload()` return
+            {"seconds", "rss_bytes", "device_bytes"}).
+    """
+
+    plan: PlacementPlan
+    groups: dict
+    resident: dict[str, bool] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.resident = {role: True for role in self.groups}
+
+    def enter(self, phase: str) -> None:
+        """Offload / onload what `phase` needs, all workers of a role in parallel."""
+        offload, onload = transitions(self.plan, self.resident, phase)
+        started = time.perf_counter()
+        for action, roles in (("offload", offload), ("onload", onload)):
+            if not roles:
+                continue
+            refs = {role: self.groups[role].call_async(action) for role in roles}
+            for role, results in ((role, ray.get(r)) for role, r in refs.items()):
+                self.resident[role] = action == "onload"
+                self.metrics[f"{action}/{role}_seconds"] = self.metrics.get(f"{action}/{role}_seconds", 0.0) \
+                    + max(r["seconds"] for r in results)
+                self.metrics[f"memory/{role}_rss_mb_after_{action}"] = sum(r["rss_bytes"] for r in results) / 2**20
+                self.metrics[f"memory/{role}_device_mb_after_{action}"] = \
+                    sum(r["device_bytes"] for r in results) / 2**20
+        if offload or onload:
+            self.metrics[f"time/{phase}_offload_onload"] = time.perf_counter() - started
+
+    def pop_metrics(self) -> dict[str, float]:
+        """This step's offload/onload metrics (then reset)."""
+        metrics, self.metrics = self.metrics, {}
+        return metrics
