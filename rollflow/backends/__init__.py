@@ -9,6 +9,7 @@ from rollflow.registry import Registry, import_object
 # name -> "module:class"; the module is imported on first use.
 BACKENDS: Registry[str] = Registry("training backend")
 BACKENDS.register("torch")("rollflow.backends.torch_backend:TorchBackend")
+BACKENDS.register("fsdp2")("rollflow.backends.fsdp2:FSDP2Backend")
 
 
 def create_backend(name: str, **kwargs: Any):
