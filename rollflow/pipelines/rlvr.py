@@ -6,6 +6,7 @@ The driver (single controller) owns the loop; each role runs in its own Ray acto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -65,119 +66,132 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
 
+    with _running(config, manage_ray) as workers:
+        algorithm, checks, output = config.algorithm, config.checks, config.output
+        tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
+        tracker.print(workers.plan.describe())
+        write_placement(run_dir / "placement.json", workers)
+        colocation = ColocationManager(workers.plan, {g.role: g for g in workers.groups})
+        advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
+        scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer))
+        rollout = config.rollout
+        sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
+                                  n=rollout.samples_per_prompt)
+        greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
+        bucket_bytes = int(config.cluster.weight_sync_bucket_mb * 2**20)
+        syncs = 0
+
+        def sync_weights() -> dict[str, float]:
+            nonlocal syncs
+            syncs += 1
+            colocation.enter("weight_sync")
+            started = time.perf_counter()
+            corrupt = syncs == checks.fault_injection_flip_sync_byte_at
+            manifest = workers.actor_train.call("weights_for_sync", bucket_bytes, corrupt)
+            # each engine checks the checksum: a corrupted transfer raises WeightSyncError, stopping the run
+            loaded = ray.get(workers.actor_infer.call_async("update_weights", manifest))
+            return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
+                    "sync/buckets": len(manifest.buckets), "sync/version": manifest.version,
+                    "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
+
+        def train_on(batch: Batch, step: int) -> dict[str, float]:
+            """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
+            if algorithm.needs_reference and workers.reference is None:  # LoRA: the base model, adapters off
+                colocation.enter("old_logprobs")
+                batch.extras["ref_logprobs"] = workers.actor_train.call("compute_reference_logprobs", batch)
+            elif workers.reference is not None:
+                colocation.enter("reference")
+                batch.extras["ref_logprobs"] = workers.reference.map_rows("compute_logprobs", batch)
+            if advantages.needs_policy_logprobs:
+                colocation.enter("old_logprobs")
+                batch.extras["old_logprobs"] = workers.actor_train.call("compute_logprobs", batch)
+            if workers.critic is not None:
+                colocation.enter("values")
+                batch.extras["values"] = workers.critic.call("compute_values", batch)
+            metrics = advantages(batch)
+            if workers.critic is not None:
+                colocation.enter("critic_train")
+                metrics.update(workers.critic.call("train", batch))
+            if step > config.train.critic_warmup_steps:
+                colocation.enter("actor_train")
+                metrics.update(workers.actor_train.call("train", batch))
+            return metrics
+
+        def evaluate() -> dict[str, float]:
+            if not eval_prompts:
+                return {}
+            colocation.enter("rollout")
+            return rollout_metrics(scheduler.generate(eval_prompts, greedy).samples, prefix="eval")
+
+        first_step, initial_eval = 0, {}
+        if resume_from:
+            state = json.loads((resume_from / "driver_state.json").read_text())
+            workers.actor_train.call("load", str(resume_from / "model"), state["step"])
+            if workers.critic is not None:
+                workers.critic.call("load", str(resume_from / "critic"))
+            sampler.load_state(state["sampler"])
+            advantages.load_state(state.get("advantage_stage"))
+            first_step, initial_eval = state["step"], state.get("initial_eval", {})
+            sync_weights()
+            tracker.print(f"resumed from {resume_from} at step {first_step}")
+        if not initial_eval:
+            initial_eval = evaluate()
+            tracker.log(first_step, initial_eval)
+            tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
+
+        metrics: dict[str, float] = {}
+        for step in range(first_step + 1, config.train.steps + 1):
+            step_started = time.perf_counter()
+            prompts = [encoder.encode(row) for row in sampler.next_batch()]
+            colocation.enter("rollout")
+            result = scheduler.generate(prompts, sampling)
+            samples = usable(result.samples)
+            batch = collate(samples, tokenizer.pad_token_id)
+            metrics = {**result.metrics, **rollout_metrics(result.samples)}
+            if step == first_step + 1 and checks.logprob_parity_samples:
+                probe = batch.select(torch.tensor(parity_probe(samples, checks.logprob_parity_samples)))
+                colocation.enter("old_logprobs")
+                trainer_logprobs = workers.actor_train.call("compute_logprobs", probe)
+                metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
+                    probe, trainer_logprobs, checks.logprob_parity_tolerance)
+            batch, filter_metrics = drop_groups(batch, algorithm)  # difficulty mask; may drop every group
+            metrics.update(filter_metrics)
+            if batch.size:
+                metrics.update(train_on(batch, step))
+            metrics.update(sync_weights())
+            metrics.update(colocation.pop_metrics())
+            if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
+                metrics.update(evaluate())
+            metrics["time/step"] = time.perf_counter() - step_started
+            tracker.log(step, metrics)
+            write_samples(run_dir / "samples.jsonl", step, result.samples, output.samples_logged_per_step)
+            if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
+                _save_checkpoint(checkpoints / f"step_{step}", workers, step, sampler, advantages,
+                                 initial_eval)
+
+        final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
+        if "eval/accuracy" in final and "initial_eval/accuracy" in final:
+            tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
+                          f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
+        tracker.close()
+        plot_curves(run_dir)
+    return final
+
+
+@contextlib.contextmanager
+def _running(config: RunConfig, manage_ray: bool):
+    """Start Ray (if managed) and every role's workers; on the way out, normal or not, stop them."""
     if manage_ray:
         start_ray(config.cluster.address, config.cluster.num_cpus)
-    algorithm = config.algorithm
-    workers = create_role_workers(config)
-    tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
-    tracker.print(workers.plan.describe())
-    write_placement(run_dir / "placement.json", workers)
-    colocation = ColocationManager(workers.plan, {g.role: g for g in workers.groups})
-    advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
-    scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer))
-    rollout = config.rollout
-    sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
-                              n=rollout.samples_per_prompt)
-    greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
-    bucket_bytes = int(config.cluster.weight_sync_bucket_mb * 2**20)
-    syncs = 0
-
-    def sync_weights() -> dict[str, float]:
-        nonlocal syncs
-        syncs += 1
-        colocation.enter("weight_sync")
-        started = time.perf_counter()
-        corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
-        manifest = workers.actor_train.call("weights_for_sync", bucket_bytes, corrupt)
-        loaded = ray.get(workers.actor_infer.call_async("update_weights", manifest))  # WeightSyncError stops here
-        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
-                "sync/buckets": len(manifest.buckets), "sync/version": manifest.version,
-                "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
-
-    def train_on(batch: Batch, step: int) -> dict[str, float]:
-        """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
-        if algorithm.needs_reference and workers.reference is None:  # LoRA: the base model, adapters off
-            colocation.enter("old_logprobs")
-            batch.extras["ref_logprobs"] = workers.actor_train.call("compute_reference_logprobs", batch)
-        elif workers.reference is not None:
-            colocation.enter("reference")
-            batch.extras["ref_logprobs"] = workers.reference.map_rows("compute_logprobs", batch)
-        if advantages.needs_policy_logprobs:
-            colocation.enter("old_logprobs")
-            batch.extras["old_logprobs"] = workers.actor_train.call("compute_logprobs", batch)
-        if workers.critic is not None:
-            colocation.enter("values")
-            batch.extras["values"] = workers.critic.call("compute_values", batch)
-        metrics = advantages(batch)
-        if workers.critic is not None:
-            colocation.enter("critic_train")
-            metrics.update(workers.critic.call("train", batch))
-        if step > config.train.critic_warmup_steps:
-            colocation.enter("actor_train")
-            metrics.update(workers.actor_train.call("train", batch))
-        return metrics
-
-    def evaluate() -> dict[str, float]:
-        if not eval_prompts:
-            return {}
-        colocation.enter("rollout")
-        return rollout_metrics(scheduler.generate(eval_prompts, greedy).samples, prefix="eval")
-
-    first_step, initial_eval = 0, {}
-    if resume_from:
-        state = json.loads((resume_from / "driver_state.json").read_text())
-        workers.actor_train.call("load", str(resume_from / "model"), state["step"])
-        if workers.critic is not None:
-            workers.critic.call("load", str(resume_from / "critic"))
-        sampler.load_state(state["sampler"])
-        advantages.load_state(state.get("advantage_stage"))
-        first_step, initial_eval = state["step"], state.get("initial_eval", {})
-        sync_weights()
-        tracker.print(f"resumed from {resume_from} at step {first_step}")
-    if not initial_eval:
-        initial_eval = evaluate()
-        tracker.log(first_step, initial_eval)
-        tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
-
-    metrics: dict[str, float] = {}
-    for step in range(first_step + 1, config.train.steps + 1):
-        step_started = time.perf_counter()
-        prompts = [encoder.encode(row) for row in sampler.next_batch()]
-        colocation.enter("rollout")
-        result = scheduler.generate(prompts, sampling)
-        samples = usable(result.samples)
-        batch = collate(samples, tokenizer.pad_token_id)
-        metrics = {**result.metrics, **rollout_metrics(result.samples)}
-        if step == first_step + 1 and config.checks.logprob_parity_samples:
-            probe = batch.select(torch.tensor(parity_probe(samples, config.checks.logprob_parity_samples)))
-            colocation.enter("old_logprobs")
-            trainer_logprobs = workers.actor_train.call("compute_logprobs", probe)
-            metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
-                probe, trainer_logprobs, config.checks.logprob_parity_tolerance)
-        batch, filter_metrics = drop_groups(batch, algorithm)  # difficulty mask; may drop every group
-        metrics.update(filter_metrics)
-        if batch.size:
-            metrics.update(train_on(batch, step))
-        metrics.update(sync_weights())
-        metrics.update(colocation.pop_metrics())
-        if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
-            metrics.update(evaluate())
-        metrics["time/step"] = time.perf_counter() - step_started
-        tracker.log(step, metrics)
-        write_samples(run_dir / "samples.jsonl", step, result.samples, config.output.samples_logged_per_step)
-        if step == config.train.steps or config.output.save_every_steps and step % config.output.save_every_steps == 0:
-            _save_checkpoint(checkpoints / f"step_{step}", workers, step, sampler, advantages, initial_eval)
-
-    final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-    if "eval/accuracy" in final and "initial_eval/accuracy" in final:
-        tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
-                      f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
-    tracker.close()
-    plot_curves(run_dir)
-    workers.shutdown()
-    if manage_ray:
-        stop_ray()
-    return final
+    workers = None
+    try:
+        workers = create_role_workers(config)
+        yield workers
+    finally:
+        if workers is not None:
+            workers.shutdown()
+        if manage_ray:
+            stop_ray()
 
 
 def describe_plan(config: RunConfig) -> str:
