@@ -26,11 +26,11 @@ from rollflow.algorithms import (
     overlong_reward_penalty,
     whiten,
 )
-from rollflow.config import AlgorithmConfig, DataConfig, DatasetConfig, RewardConfig
+from rollflow.config import AlgorithmConfig, DataConfig, DatasetConfig, RewardConfig, RoleConfig
 from rollflow.data.prompts import Row, load_rows
 from rollflow.data.sample import Batch, Sample, SampleStatus
-from rollflow.errors import ParityError
-from rollflow.rewards import combine_rewards, resolve_reward
+from rollflow.errors import ConfigError, ParityError
+from rollflow.rewards import CombinedReward, ModelReward, combine_rewards, resolve_reward
 
 
 def load_dataset(dataset: DatasetConfig, data: DataConfig, seed: int) -> list[Row]:
@@ -39,9 +39,38 @@ def load_dataset(dataset: DatasetConfig, data: DataConfig, seed: int) -> list[Ro
                      data.answer_key)
 
 
-def build_reward_fn(reward: RewardConfig):
-    """The weighted sum of the configured reward functions: `(completion, **row) -> (total, parts)`."""
-    return combine_rewards([(f.name, resolve_reward(f.name, f.kwargs), f.weight) for f in reward.functions])
+def build_reward_fn(reward: RewardConfig, role: RoleConfig | None = None, device: str = "cpu") -> CombinedReward:
+    """The weighted sum of the configured reward functions: `(completion, **row) -> (total, parts)`.
+
+    Plain functions run on the driver. Each model reward (`llm_judge`, `http_judge`, `reward_model`) gets its
+    own `role.num_workers` reward workers, started on first use (or by `.start()`) and ended by `.close()`.
+
+    Args:
+        reward: the `reward` config section.
+        role: `roles.reward` (workers per model reward, their CPU share, their devices); default one worker.
+        device: `cluster.device`; on "gpu" a reward role with a `device_mapping` runs its models on CUDA,
+            the mapping split evenly over the workers (single node: indices are the node's GPUs).
+    """
+    from rollflow.workers.reward import RemoteReward
+
+    role = role or RoleConfig()
+    on_gpu = device == "gpu" and role.device_mapping is not None
+    gpus = None
+    if on_gpu:  # each worker sees its share of the role's GPUs; like other roles it reserves no Ray resources
+        mapping, workers = role.device_mapping, role.num_workers
+        if len(mapping) % workers:
+            raise ConfigError(f"roles.reward.device_mapping lists {len(mapping)} devices for num_workers="
+                              f"{workers}; give a multiple of {workers} devices")
+        share = len(mapping) // workers
+        gpus = [tuple(mapping[i * share:(i + 1) * share]) for i in range(workers)]
+    rewards = []
+    for function in reward.functions:
+        fn = resolve_reward(function.name, function.kwargs)
+        if isinstance(fn, ModelReward):
+            fn = RemoteReward(function.name, fn, role.num_workers, role.num_cpus, "cuda" if on_gpu else "cpu",
+                              gpus)
+        rewards.append((function.name, fn, function.weight))
+    return combine_rewards(rewards)
 
 
 def drop_groups(batch: Batch, algorithm: AlgorithmConfig) -> tuple[Batch, dict[str, float]]:

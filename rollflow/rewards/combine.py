@@ -9,16 +9,44 @@ How a reward's value enters the total:
   `parts[f"{name}/{k}"]`, unweighted.
 
 `parts` always holds unweighted values, so metrics stay comparable when weights change.
+
+Two kinds of reward mix freely. A plain function `fn(completion, **row)` runs where it is called (on the
+driver), one sample at a time. A *group reward* (`GroupReward`: an LLM judge or a reward model behind reward
+workers) scores a whole group in one call and answers later: `submit_group` sends the group to every group
+reward first, then runs the plain functions while the workers score, and returns a `PendingGroup` whose
+futures the caller waits on (the rollout scheduler keeps collecting other groups meanwhile); its `finish`
+turns the results into `(total, parts)` per sample.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
-from rollflow.rewards.registry import RewardFn
+from rollflow.rewards.registry import Row, ScoreError
 
-CombinedRewardFn = Callable[..., tuple[float, dict[str, float]]]
+Outcome = tuple[float, dict[str, float]] | Exception  # one sample's (total, parts), or why it failed
+
+
+@runtime_checkable
+class GroupReward(Protocol):
+    """A reward scored off the driver, a group per call (`rollflow.workers.reward.RemoteReward`).
+
+    `submit` returns a future (a `ray.ObjectRef`) of a list with one value per completion: a float, a dict
+    of floats, or a `ScoreError`. `wait` blocks for it; `close` releases the workers.
+    """
+
+    def submit(self, completions: list[str], rows: list[Row]) -> Any: ...
+
+    def wait(self, future: Any) -> list[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class RewardScoreError(RuntimeError):
+    """A group reward could not score a sample (`ScoreError`); the sample is marked failed."""
 
 
 def _as_float(value: object, where: str) -> float:
@@ -30,16 +58,163 @@ def _as_float(value: object, where: str) -> float:
     return result
 
 
-def combine_rewards(rewards: Sequence[tuple[str, RewardFn, float]]) -> CombinedRewardFn:
+def _entries(name: str, value: object) -> tuple[float, dict[str, float]]:
+    """One reward's value and its logged-only entries (keys already prefixed with `name/`)."""
+    if isinstance(value, ScoreError):
+        raise RewardScoreError(f"reward {name!r}: {value.message}")
+    if isinstance(value, BaseException):  # a whole group failed (its worker raised or died)
+        raise value
+    if not isinstance(value, dict):
+        return _as_float(value, f"reward {name!r}"), {}
+    entries = {key: _as_float(v, f"reward {name!r} entry {key!r}") for key, v in value.items()}
+    score = entries.pop("reward") if "reward" in entries else sum(entries.values())
+    return score, {f"{name}/{key}": entry for key, entry in entries.items()}
+
+
+@dataclass
+class PendingGroup:
+    """A group whose plain rewards are computed and whose group rewards are still being scored.
+
+    Attributes:
+        futures: one future per group reward of the combination, in order (`ray.ObjectRef`s for reward
+            workers). Empty when the combination has only plain functions: `finish([])` then completes.
+    """
+
+    futures: list[Any]
+    _combined: CombinedReward
+    _plain: list[list[Any]]  # [sample][plain reward] value, or the exception it raised
+    _size: int
+
+    def finish(self, group_results: list[Any]) -> list[Outcome]:
+        """Combine everything into one outcome per sample.
+
+        Args:
+            group_results: for each future, its list of values (one per sample), or the exception that
+                getting it raised (the whole group then fails for that reward).
+
+        Returns:
+            Per sample, `(total, parts)`, or the first exception of any of its rewards (mark it failed).
+        """
+        if len(group_results) != len(self.futures):
+            raise ValueError(f"expected {len(self.futures)} group results, got {len(group_results)}")
+        for values in group_results:
+            if not isinstance(values, BaseException) and len(values) != self._size:
+                raise ValueError(f"a group reward returned {len(values)} values for {self._size} samples")
+        outcomes: list[Outcome] = []
+        for i in range(self._size):
+            plain, grouped = iter(self._plain[i]), iter(group_results)
+            values = []
+            for kind in self._combined.kinds:
+                if kind == "plain":
+                    values.append(next(plain))
+                else:  # a whole-group failure is one exception shared by every sample of the group
+                    result = next(grouped)
+                    values.append(result if isinstance(result, BaseException) else result[i])
+            outcomes.append(self._combined.total(values))
+        return outcomes
+
+    def wait(self) -> list[Outcome]:
+        """Block for the group rewards (through each reward's `wait`) and finish."""
+        results = []
+        for reward, future in zip(self._combined.group_rewards, self.futures):
+            try:
+                results.append(reward.wait(future))
+            except Exception as error:  # a failed group fails its samples, the caller decides what that means
+                results.append(error)
+        return self.finish(results)
+
+
+class CombinedReward:
+    """The weighted combination built by `combine_rewards`. See the module docstring.
+
+    Call it as `combined(completion, **row) -> (total, parts)` for one sample (raising when a reward
+    raises), or use `submit_group` / `score_group` for a group.
+    """
+
+    def __init__(self, triples: list[tuple[str, Any, float]]):
+        self.triples = triples
+        self.kinds = ["group" if isinstance(fn, GroupReward) else "plain" for _, fn, _ in triples]
+        self.group_rewards = [fn for (_, fn, _), kind in zip(triples, self.kinds) if kind == "group"]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.triples]
+
+    def total(self, values: list[Any]) -> Outcome:
+        """`(total, parts)` from one value per reward (in order); the first exception among them instead."""
+        total, parts = 0.0, {}
+        try:
+            for (name, _, weight), value in zip(self.triples, values):
+                score, logged = _entries(name, value)
+                parts.update(logged)
+                parts[name] = score
+                total += weight * score
+        except Exception as error:
+            return error
+        return total, parts
+
+    def submit_group(self, completions: list[str], rows: list[Row]) -> PendingGroup:
+        """Send the group to every group reward, then compute the plain rewards here.
+
+        Args:
+            completions: the decoded completions.
+            rows: each completion's dataset row (the same row for a prompt's group).
+
+        Returns:
+            A `PendingGroup`: wait on its `futures`, then call `finish`. Exceptions of plain rewards are
+            kept per sample; an exception from submitting (a reward worker that cannot start) propagates.
+        """
+        if len(completions) != len(rows):
+            raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
+        futures = [reward.submit(list(completions), list(rows)) for reward in self.group_rewards]
+        plain_fns = [(name, fn) for (name, fn, _), kind in zip(self.triples, self.kinds) if kind == "plain"]
+        plain = [[_call(fn, completion, row) for _, fn in plain_fns] for completion, row in zip(completions, rows)]
+        return PendingGroup(futures, self, plain, len(completions))
+
+    def score_group(self, completions: list[str], rows: list[Row]) -> list[Outcome]:
+        """`submit_group` and wait: one `(total, parts)` or exception per sample."""
+        return self.submit_group(completions, rows).wait()
+
+    def __call__(self, completion: str, **row) -> tuple[float, dict[str, float]]:
+        outcome = self.score_group([completion], [row])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def start(self) -> None:
+        """Start every group reward's workers now (they otherwise start on first use); surfaces a bad
+        model path before the first step."""
+        for reward in self.group_rewards:
+            start = getattr(reward, "start", None)
+            if start is not None:
+                start()
+
+    def close(self) -> None:
+        """Release the group rewards' workers. Plain functions hold nothing."""
+        for reward in self.group_rewards:
+            reward.close()
+
+
+def _call(fn, completion: str, row: Row) -> Any:
+    try:
+        return fn(completion, **row)
+    except Exception as error:  # kept per sample: a broken reward fails its sample, never the group
+        return error
+
+
+def combine_rewards(rewards: Sequence[tuple[str, Any, float]]) -> CombinedReward:
     """Build one function that computes every reward and their weighted total.
 
     Args:
-        rewards: `(name, fn, weight)` triples; names must be unique and must not contain "/".
+        rewards: `(name, fn, weight)` triples; `fn` is a plain reward function or a `GroupReward`. Names
+            must be unique and must not contain "/".
 
     Returns:
-        `combined(completion, **row) -> (total, parts)`: `total` is the weighted sum described in the
-        module docstring, `parts` maps each reward name (and `name/key` for dict entries) to its unweighted
-        value. An exception from a reward propagates, so the caller can mark the sample failed.
+        A `CombinedReward`: `combined(completion, **row) -> (total, parts)`, where `total` is the weighted
+        sum described in the module docstring and `parts` maps each reward name (and `name/key` for dict
+        entries) to its unweighted value. An exception from a reward propagates, so the caller can mark the
+        sample failed. `combined.submit_group(completions, rows)` scores a group without blocking on group
+        rewards.
     """
     if not rewards:
         raise ValueError("combine_rewards needs at least one (name, fn, weight)")
@@ -50,26 +225,10 @@ def combine_rewards(rewards: Sequence[tuple[str, RewardFn, float]]) -> CombinedR
     for name, fn, weight in rewards:
         if "/" in name:
             raise ValueError(f"reward name {name!r} must not contain '/' (used for dict entries)")
-        if not callable(fn):
-            raise TypeError(f"reward {name!r} is not callable")
+        if not callable(fn) and not isinstance(fn, GroupReward):
+            hint = (" (a model reward: build it with rollflow.pipelines.rlvr_steps.build_reward_fn, which "
+                    "starts its reward workers)" if hasattr(fn, "scorer") else "")
+            raise TypeError(f"reward {name!r} is not callable{hint}")
         if not math.isfinite(float(weight)):
             raise ValueError(f"reward {name!r} has a non-finite weight {weight!r}")
-    triples = [(name, fn, float(weight)) for name, fn, weight in rewards]
-
-    def combined(completion: str, **row) -> tuple[float, dict[str, float]]:
-        total = 0.0
-        parts: dict[str, float] = {}
-        for name, fn, weight in triples:
-            value = fn(completion, **row)
-            if isinstance(value, dict):
-                entries = {key: _as_float(v, f"reward {name!r} entry {key!r}") for key, v in value.items()}
-                score = entries.pop("reward") if "reward" in entries else sum(entries.values())
-                for key, entry in entries.items():
-                    parts[f"{name}/{key}"] = entry
-            else:
-                score = _as_float(value, f"reward {name!r}")
-            parts[name] = score
-            total += weight * score
-        return total, parts
-
-    return combined
+    return CombinedReward([(name, fn, float(weight)) for name, fn, weight in rewards])

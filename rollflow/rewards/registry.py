@@ -3,21 +3,83 @@
 The reward contract (see DESIGN.md): `fn(completion: str, **row) -> float | dict[str, float]`, where the
 row carries the prompt, the reference answer and any other dataset columns. Options (a time limit, a
 penalty size) are keyword-only parameters with defaults; `resolve_reward(spec, options)` binds them.
+
+A reward that needs a model or a service (an LLM judge, a reward model) is registered as a `ModelReward`
+instead of a function: the name of a *scorer* class that scores a whole group in one call, built once in a
+reward worker (`rollflow.workers.reward`), and a dataclass of its options, checked on the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from rollflow.registry import Registry
+from rollflow.registry import Registry, import_object
 
 RewardFn = Callable[..., "float | dict[str, float]"]
+Row = dict[str, Any]
 
-REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+REWARD_FUNCTIONS: Registry[Any] = Registry("reward function")  # RewardFn or ModelReward
+
+
+@dataclass(frozen=True)
+class ScoreError:
+    """A sample a model reward could not score (e.g. the judge service failed after its retries).
+
+    Returned in place of a value by `GroupScorer.score_group`; the sample is marked failed with `message`.
+    """
+
+    message: str
+
+
+class GroupScorer(Protocol):
+    """What a model reward's scorer class provides. Built in a reward worker as `cls(options, device=...)`.
+
+    `score_group(completions, rows)` scores one prompt group (or any list of samples) in one call and
+    returns one entry per completion: a float, a dict of floats (see `combine_rewards`), or `ScoreError`.
+    """
+
+    async def score_group(self, completions: list[str], rows: list[Row]) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class ModelReward:
+    """A reward that needs a model or a service: its scorer runs in reward workers, a group per call.
+
+    Attributes:
+        scorer: `"module:Class"` of a `GroupScorer`, imported in the worker (the driver never loads the model).
+        options_type: a dataclass of the scorer's options; it checks their values when constructed.
+        options: the bound options (an `options_type` instance), set by `resolve_reward`.
+    """
+
+    scorer: str
+    options_type: type
+    options: Any = None
+
+    def bind(self, options: Mapping[str, Any] | None, spec: str) -> ModelReward:
+        """This reward with `options` checked and bound; raises `RewardLoadError` (one line) when bad."""
+        accepted = sorted(f.name for f in dataclasses.fields(self.options_type))
+        unknown = sorted(set(options or {}) - set(accepted))
+        if unknown:
+            raise RewardLoadError(f"reward {spec!r} does not take option(s) {', '.join(unknown)}; "
+                                  f"its options: {', '.join(accepted)}")
+        try:
+            bound = self.options_type(**(options or {}))
+        except (TypeError, ValueError) as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise RewardLoadError(f"reward {spec!r}: {message}") from None
+        return dataclasses.replace(self, options=bound)
+
+    def build(self, device: str = "cpu") -> GroupScorer:
+        """Construct the scorer (loads its model): what a reward worker does once, at start."""
+        if self.options is None:
+            raise RuntimeError("ModelReward.build needs bound options; get it from resolve_reward")
+        return import_object(self.scorer)(self.options, device=device)
 
 
 class RewardLoadError(ValueError):
@@ -65,7 +127,7 @@ def _import_path(spec: str) -> Callable[..., Any]:
         if not hasattr(obj, part):
             raise RewardLoadError(f"reward {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
+    if not callable(obj) and not isinstance(obj, ModelReward):
         raise RewardLoadError(f"reward {spec!r} is a {type(obj).__name__}, not a callable")
     return obj
 
@@ -83,8 +145,8 @@ def reward_option_names(fn: Callable[..., Any]) -> list[str]:
     return sorted(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> RewardFn:
-    """Turn a reward spec from a config into a callable.
+def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> RewardFn | ModelReward:
+    """Turn a reward spec from a config into a callable (or a `ModelReward` with its options bound).
 
     Args:
         spec: a registered name (`"math_answer"`) or a dotted path to a function
@@ -93,7 +155,9 @@ def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> Rewar
             parameter of the function.
 
     Returns:
-        The function, or a `functools.partial` with the options bound.
+        The function, or a `functools.partial` with the options bound. For a model reward (`llm_judge`,
+        `http_judge`, `reward_model`, or a user `ModelReward` by dotted path) a `ModelReward` whose options
+        were checked here, on the driver; a reward worker runs it (`rollflow.workers.reward`).
 
     Raises:
         RewardLoadError: the spec is neither a registered name nor an importable callable, or an option is
@@ -109,6 +173,8 @@ def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> Rewar
     else:
         message = REWARD_FUNCTIONS.unknown_message(spec)
         raise RewardLoadError(f"{message} (or give a dotted path 'pkg.module:function')")
+    if isinstance(fn, ModelReward):
+        return fn.bind(options, spec)
     if not options:
         return fn
     try:

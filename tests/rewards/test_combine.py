@@ -83,3 +83,88 @@ def test_reward_exception_propagates():
 
     with pytest.raises(RuntimeError, match="boom"):
         combine_rewards([("r", boom, 1.0)])("text")
+
+
+class FakeGroupReward:
+    """A `GroupReward` scored in-process: `submit` computes the values, `wait` hands them back."""
+
+    def __init__(self, score, log: list | None = None, fail_wait: Exception | None = None):
+        self.score, self.log, self.fail_wait = score, log if log is not None else [], fail_wait
+        self.groups: list[int] = []
+        self.closed = False
+
+    def submit(self, completions, rows):
+        self.log.append("submit")
+        self.groups.append(len(completions))
+        return [self.score(c, r) for c, r in zip(completions, rows)]
+
+    def wait(self, future):
+        if self.fail_wait is not None:
+            raise self.fail_wait
+        return future
+
+    def close(self):
+        self.closed = True
+
+
+def test_group_reward_mixes_with_plain_rewards_in_config_order():
+    judge = FakeGroupReward(lambda c, r: {"reward": len(c) / 10, "parse_failed": 0.0})
+    combined = combine_rewards([("answer", lambda c, **row: float(c == row["answer"]), 1.0),
+                                ("judge", judge, 0.5)])
+    outcomes = combined.score_group(["4", "456"], [{"answer": "4"}] * 2)
+    assert judge.groups == [2]  # the whole group in one call
+    # sample 0: 1.0 * 1 + 0.5 * 0.1 = 1.05; sample 1: 1.0 * 0 + 0.5 * 0.3 = 0.15
+    assert [total for total, _ in outcomes] == pytest.approx([1.05, 0.15])
+    assert list(outcomes[0][1]) == ["answer", "judge/parse_failed", "judge"]
+    assert outcomes[1][1] == {"answer": 0.0, "judge": pytest.approx(0.3), "judge/parse_failed": 0.0}
+    total, parts = combined("4", answer="4")  # the per-sample call still works
+    assert total == pytest.approx(1.05) and parts["judge"] == pytest.approx(0.1)
+
+
+def test_group_rewards_are_submitted_before_plain_rewards_run():
+    log: list[str] = []
+
+    def plain(completion, **row):
+        log.append("plain")
+        return 0.0
+
+    combined = combine_rewards([("plain", plain, 1.0), ("judge", FakeGroupReward(lambda c, r: 1.0, log), 1.0)])
+    pending = combined.submit_group(["a", "b"], [{}, {}])
+    assert log == ["submit", "plain", "plain"]
+    assert len(pending.futures) == 1
+    assert pending.finish([[1.0, 0.0]]) == [(1.0, {"plain": 0.0, "judge": 1.0}),
+                                            (0.0, {"plain": 0.0, "judge": 0.0})]
+
+
+def test_failures_fail_only_their_samples():
+    from rollflow.rewards import RewardScoreError, ScoreError
+
+    def plain(completion, **row):
+        if completion == "boom":
+            raise RuntimeError("plain broke")
+        return 1.0
+
+    judge = FakeGroupReward(lambda c, r: ScoreError("judge timed out") if c == "slow" else 0.5)
+    outcomes = combine_rewards([("plain", plain, 1.0), ("judge", judge, 1.0)]).score_group(
+        ["ok", "boom", "slow"], [{}] * 3)
+    assert outcomes[0] == (1.5, {"plain": 1.0, "judge": 0.5})
+    assert isinstance(outcomes[1], RuntimeError) and str(outcomes[1]) == "plain broke"
+    assert isinstance(outcomes[2], RewardScoreError) and str(outcomes[2]) == "reward 'judge': judge timed out"
+
+
+def test_a_failed_group_call_fails_every_sample_and_close_releases():
+    judge = FakeGroupReward(lambda c, r: 1.0, fail_wait=ConnectionError("worker died"))
+    combined = combine_rewards([("plain", _constant(1.0), 1.0), ("judge", judge, 1.0)])
+    outcomes = combined.score_group(["a", "b"], [{}, {}])
+    assert all(isinstance(o, ConnectionError) and str(o) == "worker died" for o in outcomes)
+    with pytest.raises(ValueError, match="returned 1 values for 2 samples"):
+        combined.submit_group(["a", "b"], [{}, {}]).finish([[1.0]])
+    combined.close()
+    assert judge.closed
+
+
+def test_unbuilt_model_reward_is_rejected_with_a_hint():
+    from rollflow.rewards import resolve_reward
+
+    with pytest.raises(TypeError, match="not callable.*build_reward_fn"):
+        combine_rewards([("judge", resolve_reward("llm_judge", {"model_path": "tiny"}), 1.0)])

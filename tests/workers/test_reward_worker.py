@@ -1,0 +1,150 @@
+"""Reward workers in a Ray session: a model reward scores a whole group per call, off the driver, and the
+rollout scheduler keeps collecting other groups' completions while a group is being scored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+import ray
+
+from rollflow.config import RewardConfig, RoleConfig
+from rollflow.data.prompts import EncodedPrompt
+from rollflow.data.sample import SampleStatus
+from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
+from rollflow.pipelines.rlvr_steps import build_reward_fn
+from rollflow.rewards import ModelReward, ScoreError, combine_rewards, resolve_reward
+from rollflow.rewards.judge import LLMJudge
+from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.workers.reward import RemoteReward, RewardWorkerError
+
+
+# ---- test doubles, imported by the Ray workers from this module ---------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RecordingOptions:
+    delay_s: float = 1.0
+
+
+class RecordingScorer:
+    """A model reward that takes `delay_s` per group and reports when it started and finished (wall clock).
+
+    Completion "2-1" cannot be scored (a `ScoreError`), to exercise per-sample failures."""
+
+    def __init__(self, options: RecordingOptions, device: str = "cpu"):
+        self.delay_s = options.delay_s
+
+    async def score_group(self, completions, rows):
+        started = time.time()
+        await asyncio.sleep(self.delay_s)
+        finished = time.time()
+        return [ScoreError("cannot judge") if c == "2-1" else
+                {"reward": float(c.endswith("-0")), "started": started, "finished": finished}
+                for c in completions]
+
+
+RECORDING = ModelReward(f"{__name__}:RecordingScorer", RecordingOptions)
+
+
+class StaggeredRolloutWorker:
+    """A rollout worker whose group k (prompt ids [k]) is ready after k * `step_s` seconds."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        group = request.prompt_ids[0]
+        await asyncio.sleep(group * self.step_s)
+        outputs = [CompletionOutput([group, i], [0.0, 0.0], [0, 0]) for i in range(request.params.n)]
+        return Completion(request.request_id, outputs, {"generated_at": time.time()})
+
+
+# ---- tests ----------------------------------------------------------------------------------------------
+JUDGE_OPTIONS = {"model_path": "tiny", "template": "{completion}+{offset}", "max_score": 200, "max_new_tokens": 4}
+
+
+def test_llm_judge_worker_scores_a_group_in_one_call(ray_session):
+    remote = RemoteReward("llm_judge", resolve_reward("llm_judge", JUDGE_OPTIONS), num_workers=1, num_cpus=1)
+    try:
+        completions = ["12", "40", "7", "33"]
+        rows = [{"offset": str(k)} for k in (10, 20, 30, 40)]
+        first = remote.submit(completions, rows)  # one call for the whole group ...
+        second = remote.submit(completions[:2], rows[:2])  # ... and a second group while it runs
+        assert isinstance(first, ray.ObjectRef)
+        scores, scores_second = remote.wait(first), remote.wait(second)
+        expected = asyncio.run(LLMJudge(resolve_reward("llm_judge", JUDGE_OPTIONS).options).score_group(
+            completions, rows))  # the same judge in this process
+        assert scores == expected and scores_second == expected[:2]
+        assert all(s["parse_failed"] == 0.0 for s in scores)
+    finally:
+        remote.close()
+    assert remote.workers == []
+
+
+def test_a_worker_that_cannot_start_is_a_one_line_error(ray_session, tmp_path):
+    broken = tmp_path / "broken_judge"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
+    reward = resolve_reward("llm_judge", {"model_path": str(broken)})  # passes the driver-side path check
+    remote = RemoteReward("judge", reward)
+    with pytest.raises(RewardWorkerError, match=r"reward 'judge': its reward worker failed to start: .*") as info:
+        remote.submit(["x"], [{}])
+    assert "\n" not in str(info.value) and "not_a_model" in str(info.value)
+
+
+def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
+    step_s, delay_s = 0.2, 1.5
+    rollout = ray.remote(num_cpus=0)(StaggeredRolloutWorker).remote(step_s)
+    remote = RemoteReward("slow", RECORDING.bind({"delay_s": delay_s}, "slow"))
+    combined = combine_rewards([("exact", lambda c, **row: float(c == row["answer"]), 1.0), ("slow", remote, 0.5)])
+    scheduler = RolloutScheduler([rollout], combined, lambda ids: "-".join(map(str, ids)))
+    prompts = [EncodedPrompt({"answer": f"{k}-0"}, str(k), [k]) for k in range(4)]
+    remote.start()  # model load is not what this test measures
+    try:
+        result = scheduler.generate(prompts, SamplingParams(n=2))
+    finally:
+        remote.close()
+    by_group = {s.group_id: [] for s in result.samples}
+    for sample in result.samples:
+        by_group[sample.group_id].append(sample)
+    assert len(result.samples) == 8 and len(by_group) == 4
+
+    failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
+    assert [s.response_text for s in failed] == ["2-1"]
+    assert failed[0].metadata["error"] == "RewardScoreError: reward 'slow': cannot judge"
+    scored = [s for s in result.samples if s.status != SampleStatus.FAILED]
+    for sample in scored:  # exact: 1 for "k-0"; slow: 1 for "k-0"; total = 1.0 * exact + 0.5 * slow
+        hit = float(sample.response_text.endswith("-0"))
+        assert sample.rewards["exact"] == hit and sample.rewards["slow"] == hit
+        assert sample.reward == pytest.approx(1.5 * hit)
+
+    def group_times(k):
+        sample = next(s for s in by_group[k] if s.status != SampleStatus.FAILED)
+        return sample.metadata["generated_at"], sample.rewards["slow/started"], sample.rewards["slow/finished"]
+
+    generated = [group_times(k)[0] for k in range(4)]
+    started = [group_times(k)[1] for k in range(4)]
+    finished = [group_times(k)[2] for k in range(4)]
+    # Group 0 is scored while groups 1-3 are still generating (they finish 0.2, 0.4, 0.6 s after it) ...
+    assert finished[0] > generated[3]
+    # ... and the scheduler sends each group as it arrives instead of waiting for group 0's scores.
+    assert max(started) < finished[0]
+    assert result.metrics["time/reward"] < 0.5 * delay_s  # driver time spent on rewards
+    # Serial scoring would take 4 x 1.5 s; overlapped it is about 0.6 s of generation + 1.5 s.
+    assert result.metrics["time/rollout"] < 3 * delay_s
+    assert result.metrics["time/reward_wait"] >= delay_s - 3 * step_s - 0.1
+
+
+def test_build_reward_fn_puts_model_rewards_on_workers_and_plain_ones_on_the_driver():
+    config = RewardConfig(functions=[{"name": "math_answer", "weight": 1.0},
+                                     {"name": "llm_judge", "weight": 0.5, "kwargs": JUDGE_OPTIONS}])
+    combined = build_reward_fn(config, RoleConfig(num_workers=2, num_cpus=1))
+    assert combined.kinds == ["plain", "group"]
+    remote = combined.group_rewards[0]
+    assert isinstance(remote, RemoteReward)
+    assert (remote.name, remote.num_workers, remote.num_cpus, remote.device) == ("llm_judge", 2, 1, "cpu")
+    assert remote.workers == []  # nothing starts before the first group (Ray may not even be up)
+    gpu = build_reward_fn(config, RoleConfig(num_workers=2, device_mapping=[4, 5, 6, 7]), device="gpu")
+    assert gpu.group_rewards[0].device == "cuda" and gpu.group_rewards[0].gpus == [(4, 5), (6, 7)]
