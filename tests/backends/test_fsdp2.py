@@ -31,7 +31,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 # rank; 7 = (2, 2) and (2, 1); 5 = (2, 1) and (2, placeholder); 1 = (1) and (placeholder: an empty shard)
 STEPS = ((8, 1), (7, 2), (5, 3), (1, 4))
 WEIGHT_TOLERANCE = 1e-5
-JOB_TIMEOUT_S = 150
+JOB_TIMEOUT_S = 420  # ~25 s of CPU; generous because the 2 cores are shared with other test runs
 
 
 def _batch(rows: int, seed: int):
@@ -102,6 +102,10 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     restored_critic.load(Path(out_dir) / "critic")
     results["restored_values"] = restored_critic.forward_values(_critic_batch(5, 12))
 
+    mixed = FSDP2Backend(model_dir, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+                         **_settings())
+    results["mixed_precision"] = (mixed.train_step(_batch(7, 2), _actor_loss("token_mean")), mixed.named_weights())
+
     # checkpoint after step 1; a fresh backend loads it; both take steps 2 and 3
     loss = _actor_loss("token_mean")
     uninterrupted = FSDP2Backend(model_dir, **_settings())
@@ -123,7 +127,7 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     results["onloaded_logprobs"] = uninterrupted.forward_logprobs(_batch(3, 13))
     results["world_size"], results["rank"] = uninterrupted.world_size, uninterrupted.rank
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    for backend in [*backends, reference, critic, restored_critic, uninterrupted, resumed]:
+    for backend in [*backends, reference, critic, restored_critic, mixed, uninterrupted, resumed]:
         backend.close()
 
 
@@ -224,6 +228,23 @@ def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_
     assert torch.allclose(rank0["values"], values, atol=1e-5)
     assert torch.equal(rank1["values"], rank0["values"])
     assert torch.equal(rank0["restored_values"], rank0["values"])
+
+
+def test_bfloat16_compute_with_float32_reduction_trains_close_to_float32(two_ranks, random_model_dir):
+    rank0, rank1, _ = two_ranks
+    initial = TorchBackend(random_model_dir, trainable=False).named_weights()
+    torch.manual_seed(0)
+    expected = TorchBackend(random_model_dir, **_settings()).train_step(_batch(7, 2), _actor_loss("token_mean"))
+    metrics, weights = rank0["mixed_precision"]
+    assert rank1["mixed_precision"][0] == metrics
+    # first step from the sampling policy: ratio == 1, so the loss is -sum(A * m) / N in any precision
+    assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    # the gradient is computed in bfloat16: close to the float32 one, but not equal
+    assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0.05)
+    assert metrics["grad_norm"] != pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert weights["model.norm.weight"].dtype == torch.float32  # the sharded parameters stay float32
+    # Adam's first step moves each weight by lr * g / (|g| + eps) <= lr = LR / 3 (warm-up step 1 of 3)
+    assert LR / 10 < _max_diff(weights, initial) <= LR / 3 * (1 + 1e-4)
 
 
 def test_save_load_then_steps_equal_uninterrupted_steps(two_ranks):
