@@ -45,7 +45,8 @@ class ValueModel(torch.nn.Module):
         """Returns [B, L] one value per input position."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state  # [B, L, H]
-        return self.value_head(hidden).squeeze(-1)  # [B, L]
+        # a fresh tensor, not a view: FSDP2 warns on every forward that returns a view
+        return self.value_head(hidden).squeeze(-1).clone()  # [B, L]
 
     def save(self, path: str | Path) -> None:
         """All weights (backbone + head) in one safetensors file under `path`."""

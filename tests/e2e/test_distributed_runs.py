@@ -60,3 +60,39 @@ def test_colocated_and_disaggregated_placements_both_train(tmp_path, ray_session
     last = rows[-1]
     assert last["step"] == 2 and last["sync/version"] == 2
     assert not any(key.startswith(("offload/", "onload/")) for key in last)  # nothing shares a device
+
+
+MULTI_NODE = """
+import sys
+from ray.cluster_utils import Cluster
+from rollflow.config import load_config
+from rollflow.pipelines.rlvr import run_rlvr
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+try:
+    config = load_config("examples/quickstart.yaml", sys.argv[2:] + [f"cluster.address={cluster.address}"])
+    run_rlvr(config)  # joins the running cluster instead of starting Ray
+finally:
+    cluster.shutdown()
+"""
+
+
+def test_roles_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
+    # Two simulated nodes of 1 CPU slot each: device 0 is node 0, device 1 is node 1.
+    overrides = [*FAST, "name=two_nodes", f"output.dir={tmp_path}", *MULTI_NODE_ROLES]
+    result = subprocess.run([sys.executable, "-c", MULTI_NODE, "--", *overrides],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "cluster: 2 node(s) x 1 CPU slots" in result.stdout
+    placement = json.loads((tmp_path / "two_nodes" / "placement.json").read_text())
+    nodes = {role: [w["node"] for w in workers] for role, workers in placement.items()}
+    assert len(set(nodes["actor_train"])) == 2 and len(set(nodes["actor_infer"])) == 2, nodes
+    assert _metrics(tmp_path / "two_nodes")[-1]["sync/version"] == 2
+
+
+# FSDP2 rank 0 on node 0 and rank 1 on node 1 (gloo across nodes), one engine on each node.
+MULTI_NODE_ROLES = ["roles.actor_train.backend=fsdp2", "roles.actor_train.num_workers=2",
+                    "roles.actor_train.device_mapping=[0,1]", "roles.actor_infer.num_workers=2",
+                    "roles.actor_infer.device_mapping=[0,1]"]
