@@ -15,9 +15,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from rollflow.cluster.weight_sync import verify_weights
-from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
+from rollflow.engines.base import (
+    Completion,
+    CompletionOutput,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+)
 from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 
 
@@ -134,64 +141,62 @@ class HFEngine:
             pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
 
     async def _decode_wave(self, wave: list[_Pending]) -> None:
-        started = time.perf_counter()
-        rows: list[tuple[_Pending, SamplingParams]] = []
-        prompts: list[list[int]] = []
-        for pending in wave:
-            params = pending.request.params
-            pending.outputs = [CompletionOutput() for _ in range(params.n)]
-            pending.unfinished = params.n
-            for _ in range(params.n):
-                rows.append((pending, params))
-                prompts.append(pending.request.prompt_ids)
-        count = len(rows)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((count, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((count, width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
-            attention[i, width - len(prompt):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(1) - 1).clamp(min=0)  # [N, P]
-        temperatures = torch.tensor([p.temperature for _, p in rows], device=self.device)  # [N]
-        greedy = temperatures == 0
-        limits = torch.tensor([p.max_new_tokens for _, p in rows], device=self.device)  # [N]
-        stop_sets = [set(self.eos_ids) | set(p.stop_token_ids) for _, p in rows]
-        output_index = _output_slots(rows)
-        active = torch.ones(count, dtype=torch.bool, device=self.device)
-        generators = [self._row_generator(p, slot) for (_, p), slot in zip(rows, output_index)]
+        """Prefill every request's prompt once, then decode all of its `n` rows together until each stops.
 
-        logits, cache = self._forward(input_ids, attention, positions, cache=None)
+        The decode loop is written so the per-token work is a handful of batched tensor ops: tokens and
+        logprobs go into preallocated `[N, T]` buffers, stop / length checks are one comparison, and
+        Python touches a row only when it finishes. Rows that finished are dropped from the batch (and
+        their KV cache) once a quarter of it is idle, so short answers stop costing compute.
+        """
+        started = time.perf_counter()
+        rows = [_Row(pending, slot, self._row_generator(pending.request.params, slot))
+                for pending in wave for slot in range(pending.request.params.n)]
+        for pending in wave:
+            pending.outputs = [CompletionOutput() for _ in range(pending.request.params.n)]
+            pending.unfinished = pending.request.params.n
+        state = _WaveState.build(rows, self.eos_ids, self.device)
+
+        # One prefill per request, not per sample: the n rows of a request share their prompt's KV cache.
+        input_ids, attention = _left_pad([p.request.prompt_ids for p in wave], self.pad_id, self.device)  # [R, P]
+        positions = (attention.cumsum(1) - 1).clamp(min=0)  # [R, P]
+        logits, cache = self._forward(input_ids, attention, positions, DynamicCache())  # [R, V]
+        request_of_row = torch.tensor([i for i, p in enumerate(wave) for _ in range(p.request.params.n)],
+                                      device=self.device)  # [N]
+        if len(rows) != len(wave):
+            cache.batch_select_indices(request_of_row)
+            logits, attention, positions = logits[request_of_row], attention[request_of_row], positions[request_of_row]
+
         step = 0
         while True:
-            self._drop_aborted(rows, output_index, active)
-            if not active.any():
+            self._drop_aborted(state, step)
+            active_rows = int(state.active.sum())
+            if not active_rows:
                 break
-            tokens, logprobs = self._sample(logits, temperatures, greedy, rows, generators)  # [N], [N]
-            version = self._version
+            tokens, logprobs = self._sample(logits, state)  # [B], [B]
+            state.versions.append(self._version)
+            state.tokens[state.origin, step] = tokens
+            state.logprobs[state.origin, step] = logprobs
             step += 1
-            for i in torch.nonzero(active).flatten().tolist():
-                pending, _ = rows[i]
-                out = pending.outputs[output_index[i]]
-                token = int(tokens[i])
-                out.token_ids.append(token)
-                out.logprobs.append(float(logprobs[i]))
-                out.policy_versions.append(version)
-                finished = token in stop_sets[i] or step >= int(limits[i])
-                if finished:
-                    out.finish_reason = "stop" if token in stop_sets[i] else "length"
-                    active[i] = False
-                    pending.unfinished -= 1
-                    if pending.unfinished == 0:
-                        self._resolve(pending, pending.outputs)
-            self.stats["tokens"] += int(count)
-            if not active.any():
+            self.stats["tokens"] += active_rows
+            stopped = (tokens.unsqueeze(1) == state.stop_ids).any(1)  # [B]
+            finished = state.active & (stopped | (state.limits <= step))  # [B]
+            done = torch.nonzero(finished).flatten().tolist()
+            for i in done:  # Python sees a row only when it finishes
+                self._finish_row(state, state.rows[i], step, "stop" if stopped[i] else "length")
+            if done:
+                state.active &= ~finished
+            if active_rows == len(done):
                 break
-            attention = torch.cat([attention, active.long().unsqueeze(1)], dim=1)  # [N, P + step]
-            positions = positions[:, -1:] + 1  # [N, 1]
+            if 4 * (active_rows - len(done)) <= 3 * len(state.rows):  # a quarter of the batch idles: drop it
+                keep = torch.nonzero(state.active).flatten()  # [B']
+                cache.batch_select_indices(keep)
+                tokens, attention, positions = tokens[keep], attention[keep], positions[keep]
+                state.select(keep)
+            attention = torch.cat([attention, state.active.long().unsqueeze(1)], dim=1)  # [B, P + step]
+            positions = positions[:, -1:] + 1  # [B, 1]
             logits, cache = self._forward(tokens.unsqueeze(1), attention, positions, cache)
             await asyncio.sleep(0)  # let abort / generate calls in between tokens
-        for pending in wave:  # aborted rows left unresolved above
+        for pending in wave:  # rows still unresolved (all aborted before their first token)
             if not pending.future.done():
                 self._resolve(pending, pending.outputs)
         self.stats["waves"] += 1
@@ -199,9 +204,8 @@ class HFEngine:
 
     @torch.no_grad()
     def _forward(self, input_ids, attention, positions, cache):
-        kwargs = {"cache": cache} if cache is not None else {}
         output = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            use_cache=True, logits_to_keep=1, **kwargs)
+                            cache=cache, use_cache=True, logits_to_keep=1)
         next_cache = getattr(output, "cache", None)
         if next_cache is None:
             next_cache = output.past_key_values
@@ -213,47 +217,124 @@ class HFEngine:
         return torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + slot)
 
     @torch.no_grad()
-    def _sample(self, logits, temperatures, greedy, rows, generators):
-        """Sample one token per row. Returns ([N] tokens, [N] logprobs of those tokens)."""
-        safe_t = torch.where(greedy, torch.ones_like(temperatures), temperatures)  # [N]
-        scaled = logits / safe_t.unsqueeze(1)  # [N, V]
-        log_probs = torch.log_softmax(scaled, dim=-1)  # [N, V]
-        tokens = log_probs.argmax(-1)  # [N] greedy choice
-        sampled_rows = torch.nonzero(~greedy).flatten().tolist()
-        if sampled_rows:
-            filtered = _filter_top_k_top_p(scaled[sampled_rows], [rows[i][1] for i in sampled_rows])
-            probs = torch.softmax(filtered, dim=-1)  # [S, V]
-            if all(generators[i] is None for i in sampled_rows):
-                draws = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+    def _sample(self, logits: torch.Tensor, state: _WaveState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per batch row. Returns ([B] tokens, [B] logprobs of those tokens).
+
+        Logprobs are log-softmax(logits / temperature) before top-k / top-p (temperature 1 when greedy).
+        """
+        scaled = logits / state.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
+        log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        tokens = log_probs.argmax(-1)  # [B] greedy choice
+        if not state.all_greedy:
+            if state.needs_filter:
+                probs = torch.softmax(_filter_top_k_top_p(scaled, [row.params for row in state.rows]), dim=-1)
             else:
-                draws = torch.stack([
-                    torch.multinomial(probs[j], 1, generator=generators[i] or self.generator).squeeze(0)
-                    for j, i in enumerate(sampled_rows)
-                ])
-            tokens[sampled_rows] = draws
+                probs = log_probs.exp()  # [B, V]
+            if state.any_seeded:  # a seeded row draws from its own generator, whatever else is in the batch
+                draws = torch.stack([torch.multinomial(probs[i], 1, generator=row.generator or self.generator)
+                                     .squeeze(0) for i, row in enumerate(state.rows)])
+            else:
+                draws = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]
+            tokens = torch.where(state.greedy, tokens, draws)
         return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
-    def _drop_aborted(self, rows, output_index, active) -> None:
+    def _finish_row(self, state: _WaveState, row: _Row, length: int, reason: FinishReason) -> None:
+        """Copy a finished row's tokens out of the wave buffers; resolve its request once all rows are done."""
+        out = row.pending.outputs[row.slot]
+        out.token_ids = state.tokens[row.index, :length].tolist()
+        out.logprobs = state.logprobs[row.index, :length].tolist()
+        out.policy_versions = state.versions[:length]
+        out.finish_reason = reason
+        row.pending.unfinished -= 1
+        if row.pending.unfinished == 0:
+            self._resolve(row.pending, row.pending.outputs)
+
+    def _drop_aborted(self, state: _WaveState, step: int) -> None:
         if not self._aborted:
             return
-        for i in torch.nonzero(active).flatten().tolist():
-            pending, _ = rows[i]
-            if pending.request.request_id in self._aborted:
-                active[i] = False
-                pending.outputs[output_index[i]].finish_reason = "abort"
-                pending.unfinished -= 1
-                if pending.unfinished == 0:
-                    self._resolve(pending, pending.outputs)
+        for i in torch.nonzero(state.active).flatten().tolist():
+            row = state.rows[i]
+            if row.pending.request.request_id in self._aborted:
+                state.active[i] = False
+                self._finish_row(state, row, step, "abort")
 
 
-def _output_slots(rows: list[tuple[_Pending, SamplingParams]]) -> list[int]:
-    """Which of its request's n outputs each row fills."""
-    seen: dict[int, int] = {}
-    slots = []
-    for pending, _ in rows:
-        slots.append(seen.get(id(pending), 0))
-        seen[id(pending)] = slots[-1] + 1
-    return slots
+@dataclass
+class _Row:
+    """One sequence of a wave: output `slot` of its request."""
+
+    pending: _Pending
+    slot: int
+    generator: torch.Generator | None
+    index: int = 0  # position in the wave's output buffers (fixed; batch positions change as rows finish)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.pending.request.params
+
+
+@dataclass
+class _WaveState:
+    """Per-row tensors of the rows still in the decode batch ([B]) and the wave's output buffers ([N, T])."""
+
+    rows: list[_Row]  # batch position -> row
+    origin: torch.Tensor  # [B] buffer index of each batch row
+    active: torch.Tensor  # [B] still generating
+    temperatures: torch.Tensor  # [B] (1 for greedy rows)
+    greedy: torch.Tensor  # [B]
+    limits: torch.Tensor  # [B] max_new_tokens
+    stop_ids: torch.Tensor  # [B, S] EOS + stop ids, padded with -1
+    tokens: torch.Tensor  # [N, T]
+    logprobs: torch.Tensor  # [N, T]
+    versions: list[int] = field(default_factory=list)  # policy version at each decode step
+    all_greedy: bool = False
+    needs_filter: bool = False
+    any_seeded: bool = False
+
+    @classmethod
+    def build(cls, rows: list[_Row], eos_ids: list[int], device: torch.device) -> _WaveState:
+        for index, row in enumerate(rows):
+            row.index = index
+        stops = [sorted(set(eos_ids) | set(row.params.stop_token_ids)) for row in rows]
+        stop_ids = torch.full((len(rows), max(1, max(len(s) for s in stops))), -1, dtype=torch.long)
+        for i, ids in enumerate(stops):
+            stop_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        temperatures = torch.tensor([row.params.temperature for row in rows], device=device)
+        limits = torch.tensor([row.params.max_new_tokens for row in rows], device=device)
+        width = int(limits.max())
+        state = cls(rows=rows, origin=torch.arange(len(rows), device=device),
+                    active=torch.ones(len(rows), dtype=torch.bool, device=device),
+                    temperatures=torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures),
+                    greedy=temperatures == 0, limits=limits, stop_ids=stop_ids.to(device),
+                    tokens=torch.zeros(len(rows), width, dtype=torch.long, device=device),
+                    logprobs=torch.zeros(len(rows), width, device=device))
+        state.refresh_flags()
+        return state
+
+    def refresh_flags(self) -> None:
+        """Batch-wide facts `_sample` branches on, computed once per batch change instead of per token."""
+        self.all_greedy = all(row.params.temperature == 0 for row in self.rows)
+        self.needs_filter = any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in self.rows)
+        self.any_seeded = any(row.generator is not None for row in self.rows)
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only batch rows `keep` ([B'] indices)."""
+        keep_list = keep.tolist()
+        self.rows = [self.rows[i] for i in keep_list]
+        self.origin, self.active, self.temperatures = self.origin[keep], self.active[keep], self.temperatures[keep]
+        self.greedy, self.limits, self.stop_ids = self.greedy[keep], self.limits[keep], self.stop_ids[keep]
+        self.refresh_flags()
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `[R, P]` input ids and attention mask."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+        attention[i, width - len(prompt):] = 1
+    return input_ids.to(device), attention.to(device)
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

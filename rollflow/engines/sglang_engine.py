@@ -1,0 +1,286 @@
+"""`sglang` engine: the engine protocol over SGLang's offline engine (`sglang.Engine`), on GPUs.
+
+Written against SGLang's documented Python API as of SGLang 0.5 (docs.sglang.io, `python/sglang/srt/
+entrypoints/engine.py`, `docs/basic_usage/sampling_params.md`):
+
+- `sglang.Engine(model_path=..., skip_tokenizer_init=True, enable_memory_saver=True, ...)` (any
+  `ServerArgs` field as a keyword);
+- `await Engine.async_generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True,
+  rid=[...])` returning one dict per sequence: `meta_info["output_token_logprobs"]` is a list of
+  `(logprob, token_id, text)` for every generated token and `meta_info["finish_reason"]` is
+  `{"type": "stop" | "length" | "abort", ...}`;
+- sampling params `max_new_tokens, temperature, top_p, top_k (-1: off), min_p, stop_token_ids, *_penalty,
+  sampling_seed`; the docs advise sending a prompt n times rather than `n > 1`, which is what this does;
+- `Engine.tokenizer_manager.abort_request(rid=...)` (SGLang's own abort path; the scheduler then finishes
+  the request with `finish_reason.type == "abort"` and the tokens generated so far);
+- `Engine.update_weights_from_tensor(named_tensors, flush_cache=True)`,
+  `Engine.release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs
+  `enable_memory_saver=True`; tags "weights", "kv_cache").
+
+Logprobs. SGLang's sampler reports log(softmax(logits / temperature)) of the sampled token, before
+top-k / top-p / min-p filtering (log-softmax of the logits when greedy) — rollflow's quantity. The
+environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches it to the logits before temperature,
+so the engine refuses to start with it set (unless every request runs at temperature 0 or 1, which it
+cannot know up front).
+
+Threading. `sglang.Engine`'s synchronous methods run `self.loop.run_until_complete(...)` on the event loop
+it was created with, and its async methods must run on that same loop. The engine is therefore created
+in a private thread that drives that loop: it serves `async_generate` calls until a synchronous call
+arrives, then makes that call (whose `run_until_complete` keeps in-flight generations running).
+
+Policy versions: SGLang's weight update takes the model-update writer lock, which waits for in-flight
+requests, so every token of a request is sampled by the weights current when it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from rollflow.cluster.weight_sync import verify_weights
+from rollflow.engines.base import (
+    Completion,
+    CompletionOutput,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+)
+from rollflow.models import resolve_model_path
+
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+# ---- pure conversions (unit-tested without SGLang) --------------------------------------------------------
+def sglang_sampling_params(params: SamplingParams) -> list[dict[str, Any]]:
+    """One SGLang sampling-params dict per sample of `params.n` (each sample is its own request).
+
+    Every knob is given explicitly because SGLang otherwise takes defaults from the model's
+    generation_config.json. A seeded request gives sample `slot` the seed `seed * 1_000_003 + slot`, as
+    the hf engine does (SGLang honours `sampling_seed` with `enable_deterministic_inference=True`).
+    """
+    base = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # -1: off
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "stop_token_ids": list(params.stop_token_ids),
+    }
+    if params.seed is None:
+        return [dict(base) for _ in range(params.n)]
+    return [{**base, "sampling_seed": params.seed * 1_000_003 + slot} for slot in range(params.n)]
+
+
+def original_logprob_enabled(environ: dict[str, str]) -> bool:
+    """Whether SGLang would report logprobs before temperature (its `SGLANG_RETURN_ORIGINAL_LOGPROB`)."""
+    return environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def finish_reason_from_sglang(reason: dict | str | None) -> FinishReason:
+    """SGLang's `meta_info["finish_reason"]` (a dict with a `type`, or None if it never finished)."""
+    if reason is None:
+        return "abort"
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in FINISH_REASONS:
+        raise RuntimeError(f"SGLang finished a sequence with {reason!r}")
+    return FINISH_REASONS[kind]
+
+
+def completion_output_from_sglang(result: dict, version: int) -> CompletionOutput:
+    """rollflow's `CompletionOutput` from one `async_generate` result dict.
+
+    Token ids come from `output_token_logprobs` — `(logprob, token_id, text)` per generated token, stop
+    token included — so every token is paired with the logprob of exactly that token.
+    """
+    meta = result["meta_info"]
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise RuntimeError("SGLang returned no output_token_logprobs; the request needs return_logprob=True")
+    return CompletionOutput(
+        token_ids=[int(entry[1]) for entry in pairs],
+        logprobs=[float(entry[0]) for entry in pairs],
+        policy_versions=[version] * len(pairs),
+        finish_reason=finish_reason_from_sglang(meta.get("finish_reason")),
+    )
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+class SGLangEngine:
+    """Inference engine over `sglang.Engine` (GPU).
+
+    Args:
+        model_path: bundled name, local HF directory or hub id.
+        dtype: "bfloat16" | "float16" | "float32".
+        max_batch_size: SGLang's `max_running_requests`.
+        seed: SGLang's `random_seed`.
+        trust_remote_code: passed to SGLang.
+        **engine_kwargs: any other `sglang` `ServerArgs` field (`mem_fraction_static`, `tp_size`, ...).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", max_batch_size: int = 256, seed: int = 0,
+                 trust_remote_code: bool = False, **engine_kwargs: Any):
+        try:
+            import sglang
+        except ImportError as err:
+            raise ImportError("the sglang engine needs SGLang: pip install 'rollflow[sglang]'") from err
+        if original_logprob_enabled(dict(os.environ)):
+            raise ValueError(f"unset {ORIGINAL_LOGPROB_ENV}: it makes SGLang report logprobs before "
+                             "temperature, not the ones the trainer recomputes")
+        settings = {"skip_tokenizer_init": True, "enable_memory_saver": True, **engine_kwargs}
+        self._driver = _EngineLoopThread(lambda: sglang.Engine(
+            model_path=resolve_model_path(model_path), dtype=dtype, max_running_requests=max_batch_size,
+            random_seed=seed, trust_remote_code=trust_remote_code, **settings))
+        self.engine = self._driver.engine
+        self._version = 0
+        self._asleep = False
+        self._weights_resident = True  # False while asleep with weights released
+        self._rids: dict[str, list[str]] = {}  # running request -> its SGLang request ids (loop thread only)
+        self._aborted_early: set[str] = set()
+        self._submitted: set[str] = set()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        """Sample `request.params.n` completions of one prompt."""
+        if self._asleep:
+            raise RuntimeError("engine is asleep; call wake() before generate()")
+        self._submitted.add(request.request_id)
+        return await asyncio.wrap_future(self._driver.submit(self._generate(request)))
+
+    async def _generate(self, request: GenerationRequest) -> Completion:
+        started, version, n = time.perf_counter(), self._version, request.params.n
+        self._submitted.discard(request.request_id)
+        if request.request_id in self._aborted_early:
+            self._aborted_early.discard(request.request_id)
+            outputs = [CompletionOutput(finish_reason="abort") for _ in range(n)]
+            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": version})
+        rids = [f"{request.request_id}#{slot}" for slot in range(n)]
+        self._rids[request.request_id] = rids
+        try:
+            results = await self.engine.async_generate(
+                input_ids=[list(request.prompt_ids)] * n, sampling_params=sglang_sampling_params(request.params),
+                return_logprob=True, rid=rids)
+        finally:
+            self._rids.pop(request.request_id, None)
+        outputs = [completion_output_from_sglang(result, version) for result in results]
+        return Completion(request.request_id, outputs, {"seconds": time.perf_counter() - started,
+                                                        "version": version})
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests; they resolve with what was generated so far (`abort`)."""
+        self._driver.call_soon(self._abort, list(request_ids))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._rids:
+                for rid in self._rids[request_id]:
+                    self.engine.tokenizer_manager.abort_request(rid=rid)
+            elif request_id in self._submitted:
+                self._aborted_early.add(request_id)
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
+        """Load trainer weights after verifying their checksum; raises `WeightSyncError`."""
+        verify_weights(named_tensors, checksum)
+        if not self._weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
+            self._driver.call(lambda: self.engine.resume_memory_occupation(tags=["weights"]))
+            self._weights_resident = True
+        result = self._driver.call(lambda: self.engine.update_weights_from_tensor(
+            list(named_tensors.items()), flush_cache=not self._asleep))
+        if isinstance(result, tuple) and result and not result[0]:
+            raise RuntimeError(f"SGLang could not load the weights: {result[1:]}")
+        self._version = version
+
+    def sleep(self) -> None:
+        """Release GPU memory (weights and KV cache) between rollout phases."""
+        if self._asleep:
+            return
+        self._driver.call(self.engine.release_memory_occupation)
+        self._asleep, self._weights_resident = True, False
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        tags = None if not self._weights_resident else ["kv_cache"]
+        self._driver.call(lambda: self.engine.resume_memory_occupation(tags=tags))
+        self._asleep, self._weights_resident = False, True
+
+    def close(self) -> None:
+        """Shut SGLang down and stop its loop thread."""
+        self._driver.call(self.engine.shutdown)
+        self._driver.close()
+
+
+class _EngineLoopThread:
+    """Creates an object with a private event loop in a thread, then drives that loop.
+
+    The loop runs (serving coroutines from `submit`) until `call` hands over a synchronous function; the
+    thread then calls it outside the running loop, so a library method that does
+    `loop.run_until_complete(...)` works, and coroutines already on the loop keep running inside it.
+
+    Args:
+        factory: builds the object (here `sglang.Engine`); must expose the loop it uses as `.loop`.
+    """
+
+    def __init__(self, factory: Callable[[], Any]):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = asyncio.Event()
+        ready: Future = Future()
+        self.thread = threading.Thread(target=self._main, args=(factory, ready), name="rollflow-sglang",
+                                       daemon=True)
+        self.thread.start()
+        self.engine = ready.result()
+        self.loop: asyncio.AbstractEventLoop = self.engine.loop
+
+    def _main(self, factory: Callable[[], Any], ready: Future) -> None:
+        try:
+            engine = factory()  # with no running loop here, sglang.Engine makes one and sets it current
+        except BaseException as err:  # hand the failure to the constructor's thread
+            ready.set_exception(err)
+            return
+        ready.set_result(engine)
+        while True:
+            engine.loop.run_until_complete(self._wakeup.wait())
+            self._wakeup.clear()  # before draining: a call queued from now on sets it again
+            while True:
+                try:
+                    function, future = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if function is None:
+                    future.set_result(None)
+                    return
+                try:
+                    future.set_result(function())
+                except BaseException as err:
+                    future.set_exception(err)
+
+    def submit(self, coroutine: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call_soon(self, callback, *args) -> None:
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def call(self, function: Callable[[], Any]):
+        """Run a synchronous engine method on the loop's thread and wait for its result."""
+        future: Future = Future()
+        self._calls.put((function, future))
+        self.loop.call_soon_threadsafe(self._wakeup.set)
+        return future.result()
+
+    def close(self) -> None:
+        self.call(None)
+        self.thread.join(timeout=10)

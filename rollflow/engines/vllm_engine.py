@@ -1,0 +1,307 @@
+"""`vllm` engine: the engine protocol over vLLM's asynchronous engine (V1 `AsyncLLM`), on GPUs.
+
+Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.ai, `vllm/v1/engine/async_llm.py`):
+
+- `AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., logprobs_mode=..., enable_sleep_mode=True,
+  worker_extension_cls=...))`;
+- `AsyncLLM.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(...), request_id)`, an async
+  iterator of `RequestOutput`s whose `outputs` are `CompletionOutput(index, token_ids, logprobs,
+  finish_reason)`; with `output_kind=RequestOutputKind.DELTA` each one carries only the new tokens;
+- `SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids, logprobs=0,
+  detokenize=False)`: `logprobs=0` returns the logprob of the sampled token only;
+- `AsyncLLM.abort(request_id)`, `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache()`;
+- `AsyncLLM.collective_rpc(method, args=...)` calling a method of the `worker_extension_cls` mixed into
+  every GPU worker, which loads tensors with `self.model_runner.model.load_weights(weights=...)` (the
+  pattern of vLLM's `examples/offline_inference/rlhf_utils.py`).
+
+Logprobs. rollflow reports log-softmax(logits / temperature) of the sampled token, before top-k / top-p
+(temperature 1 when greedy). vLLM's `logprobs_mode` picks what it reports (vLLM >= 0.10.2):
+`raw_logprobs` (its default) is log-softmax of the logits before temperature, `processed_logprobs` is
+taken after temperature *and* after top-k / top-p renormalization. This engine starts vLLM with
+`processed_logprobs`, which is exactly rollflow's quantity whenever top-k / top-p are off (the RL
+default); a request that would get a different quantity under the configured mode is refused with a
+`ValueError` instead of silently training on the wrong logprobs (`logprob_mismatch`).
+
+Threading. vLLM's `AsyncLLM` binds to the event loop it is created on, and the engine protocol has
+synchronous methods (`abort`, `update_weights`, `sleep`, `wake`) that a Ray async actor calls from inside
+its own running loop. So the `AsyncLLM` lives on a private event loop in a background thread; `generate`
+awaits futures from it and the synchronous methods block on it.
+
+Policy versions: each token is tagged with the engine's version when its output reached this process.
+Weight updates go through vLLM's RPC between scheduler steps, so a token sampled in the step just
+before an update may be tagged with the new version; exact when no request spans an update (the
+rollout scheduler aborts or drains before syncing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from rollflow.cluster.weight_sync import verify_weights
+from rollflow.engines.base import (
+    Completion,
+    CompletionOutput,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+)
+from rollflow.models import resolve_model_path
+
+WORKER_EXTENSION = "rollflow.engines.vllm_engine:VLLMWorkerExtension"
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+# ---- pure conversions (unit-tested without vLLM) ----------------------------------------------------------
+def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for rollflow's `params` (token ids in, token ids out).
+
+    Every knob that could change the sampled distribution is set explicitly, so vLLM samples from
+    exactly log-softmax(logits / temperature) filtered by top-k / top-p, like the hf engine.
+    """
+    return {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # -1: disabled, accepted by every vLLM version
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "max_tokens": params.max_new_tokens,
+        "seed": params.seed,
+        "stop_token_ids": list(params.stop_token_ids),
+        "logprobs": 0,  # the sampled token's logprob only
+        "detokenize": False,  # token-in, token-out: text is never used
+    }
+
+
+def logprob_mismatch(params: SamplingParams, logprobs_mode: str) -> str | None:
+    """Why vLLM's reported logprobs for `params` under `logprobs_mode` would differ from rollflow's.
+
+    Returns:
+        None when vLLM reports exactly log-softmax(logits / temperature) of the sampled token before
+        top-k / top-p (temperature 1 when greedy); otherwise a sentence saying what differs and what to set.
+    """
+    greedy = params.temperature == 0
+    filtered = params.top_k > 0 or params.top_p < 1.0
+    if logprobs_mode == "processed_logprobs":
+        if filtered and not greedy:
+            return ("vLLM's processed_logprobs are renormalized after top-k/top-p; use top_k=0, top_p=1 "
+                    "or, at temperature 1, engine_kwargs.logprobs_mode=raw_logprobs")
+        return None
+    if logprobs_mode == "raw_logprobs":
+        if params.temperature not in (0.0, 1.0):
+            return ("vLLM's raw_logprobs ignore the temperature; set engine_kwargs.logprobs_mode="
+                    "processed_logprobs (and top_k=0, top_p=1)")
+        return None
+    return f"logprobs_mode {logprobs_mode!r} does not report logprobs; use processed_logprobs"
+
+
+def finish_reason_from_vllm(reason: str | None) -> FinishReason | None:
+    """vLLM's `CompletionOutput.finish_reason` ("stop" | "length" | "abort" | None while running)."""
+    if reason is None:
+        return None
+    if reason not in FINISH_REASONS:
+        raise RuntimeError(f"vLLM finished a sequence with {reason!r}")
+    return FINISH_REASONS[reason]
+
+
+def apply_request_output(outputs: list[CompletionOutput], request_output, version: int) -> None:
+    """Append the new tokens of one DELTA `RequestOutput` to rollflow's per-sample outputs.
+
+    Args:
+        outputs: one `CompletionOutput` per sample (`n`), filled in place.
+        request_output: has `outputs`, each with `index` (which sample), `token_ids` (new tokens),
+            `logprobs` (one `{token_id: Logprob}` mapping per new token) and `finish_reason`.
+        version: policy version to tag the new tokens with.
+    """
+    for sample in request_output.outputs:
+        out = outputs[sample.index]
+        token_ids = list(sample.token_ids)
+        if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
+            raise RuntimeError("vLLM returned tokens without their logprobs; the request needs logprobs=0")
+        out.token_ids.extend(token_ids)
+        out.logprobs.extend(float(position[token].logprob) for token, position in zip(token_ids, sample.logprobs))
+        out.policy_versions.extend([version] * len(token_ids))
+        reason = finish_reason_from_vllm(sample.finish_reason)
+        if reason is not None:
+            out.finish_reason = reason
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+class VLLMEngine:
+    """Inference engine over vLLM's `AsyncLLM` (GPU).
+
+    Args:
+        model_path: bundled name, local HF directory or hub id.
+        dtype: "bfloat16" | "float16" | "float32".
+        max_batch_size: vLLM's `max_num_seqs`.
+        seed: vLLM's engine seed (requests without their own seed).
+        trust_remote_code: passed to vLLM.
+        sleep_level: vLLM sleep level for `sleep()` (1 keeps weights in CPU memory, 2 discards them).
+        **engine_kwargs: any other `vllm.AsyncEngineArgs` field (`gpu_memory_utilization`,
+            `tensor_parallel_size`, `logprobs_mode`, `max_model_len`, ...).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", max_batch_size: int = 256, seed: int = 0,
+                 trust_remote_code: bool = False, sleep_level: int = 1, **engine_kwargs: Any):
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as err:
+            raise ImportError("the vllm engine needs vLLM: pip install 'rollflow[vllm]'") from err
+        settings = {"logprobs_mode": "processed_logprobs", "enable_sleep_mode": True,
+                    "worker_extension_cls": WORKER_EXTENSION, **engine_kwargs}
+        self.logprobs_mode = settings["logprobs_mode"]
+        self.sleep_level = sleep_level
+        args = AsyncEngineArgs(model=resolve_model_path(model_path), dtype=dtype, max_num_seqs=max_batch_size,
+                               seed=seed, trust_remote_code=trust_remote_code, **settings)
+        self._loop = _BackgroundLoop("rollflow-vllm")
+
+        async def create():  # on the background loop, so AsyncLLM's output handler runs there
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = self._loop.run(create())
+        self._version = 0
+        self._asleep = False
+        self._weights_resident = True  # False while asleep with weights off the GPU
+        self._tasks: dict[str, asyncio.Task] = {}  # streaming requests (touched on the loop thread only)
+        self._submitted: set[str] = set()  # handed to the loop, not started yet
+        self._aborted_early: set[str] = set()  # aborted before they started
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        """Sample `request.params.n` completions of one prompt."""
+        if self._asleep:
+            raise RuntimeError("engine is asleep; call wake() before generate()")
+        problem = logprob_mismatch(request.params, self.logprobs_mode)
+        if problem:
+            raise ValueError(f"request {request.request_id}: {problem}")
+        self._submitted.add(request.request_id)
+        return await asyncio.wrap_future(self._loop.submit(self._generate(request)))
+
+    async def _generate(self, request: GenerationRequest) -> Completion:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        started = time.perf_counter()
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
+        outputs = [CompletionOutput(finish_reason="abort") for _ in range(request.params.n)]
+        self._submitted.discard(request.request_id)
+        if request.request_id in self._aborted_early:
+            self._aborted_early.discard(request.request_id)
+            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self._version})
+        self._tasks[request.request_id] = asyncio.current_task()
+        try:
+            stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
+                                       request.request_id)
+            async for request_output in stream:
+                apply_request_output(outputs, request_output, self._version)
+        except asyncio.CancelledError:  # abort(): keep what was generated; unfinished samples say "abort"
+            pass
+        finally:
+            self._tasks.pop(request.request_id, None)
+        metadata = {"seconds": time.perf_counter() - started, "version": self._version}
+        return Completion(request.request_id, outputs, metadata)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests; they resolve with what was generated so far (`abort`)."""
+        self._loop.call_soon(self._abort, list(request_ids))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        # Cancelling the consumer makes vLLM's generate() abort the request in the engine core; the
+        # explicit abort covers a request that has not started streaming yet.
+        for request_id in request_ids:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+            elif request_id in self._submitted:
+                self._aborted_early.add(request_id)
+        asyncio.get_running_loop().create_task(self.llm.abort(request_ids))
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
+        """Load trainer weights after verifying their checksum; raises `WeightSyncError`."""
+        verify_weights(named_tensors, checksum)
+        # CPU tensors: they travel to the workers through vLLM's RPC serialization.
+        weights = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named_tensors.items()]
+        self._loop.run(self._load(weights, version))
+
+    async def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        if not self._weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
+            await self.llm.wake_up(tags=["weights"])
+            self._weights_resident = True
+        await self.llm.collective_rpc("rollflow_load_weights", args=(weights,))
+        if not self._asleep:  # (sleep already emptied the prefix cache)
+            await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        self._version = version  # on the loop thread, before any later output is tagged
+
+    def sleep(self) -> None:
+        """Free GPU memory between rollout phases (vLLM sleep mode; in-flight requests are aborted)."""
+        if self._asleep:
+            return
+        self._loop.run(self._sleep())
+
+    async def _sleep(self) -> None:
+        await self.llm.reset_prefix_cache()
+        await self.llm.sleep(level=self.sleep_level)
+        self._asleep, self._weights_resident = True, False
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        tags = None if not self._weights_resident else ["kv_cache"]
+        self._loop.run(self.llm.wake_up(tags=tags))
+        self._asleep, self._weights_resident = False, True
+
+    def close(self) -> None:
+        """Shut vLLM down and stop the background loop."""
+        self.llm.shutdown()
+        self._loop.close()
+
+
+class VLLMWorkerExtension:
+    """Methods mixed into every vLLM GPU worker (`worker_extension_cls`), called by `collective_rpc`."""
+
+    def rollflow_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into this worker's model (tensor-parallel sharding done by vLLM).
+
+        Returns:
+            How many tensors were given.
+        """
+        self.model_runner.model.load_weights(weights=[(name, tensor.to(self.device)) for name, tensor in weights])
+        torch.cuda.synchronize()
+        return len(weights)
+
+
+class _BackgroundLoop:
+    """An asyncio event loop running in a daemon thread, for libraries bound to the loop they start on."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Coroutine):
+        """Run `coroutine` on the loop and wait for its result (from any other thread)."""
+        return self.submit(coroutine).result()
+
+    def call_soon(self, callback, *args) -> None:
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)

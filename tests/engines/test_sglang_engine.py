@@ -1,0 +1,123 @@
+"""SGLang engine: the conversions to and from SGLang's request / result dicts, checked on CPU without
+SGLang, the thread that drives SGLang's event loop (with a stand-in object that uses its loop the way
+`sglang.Engine` does), and the real engine on a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from rollflow.engines.base import GenerationRequest, SamplingParams
+from rollflow.engines.sglang_engine import (
+    _EngineLoopThread,
+    completion_output_from_sglang,
+    finish_reason_from_sglang,
+    original_logprob_enabled,
+    sglang_sampling_params,
+)
+
+
+def test_sampling_params_one_dict_per_sample_with_every_knob_explicit():
+    params = SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=0, n=2, stop_token_ids=(5,))
+    expected = {"max_new_tokens": 7, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
+                "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "stop_token_ids": [5]}
+    assert sglang_sampling_params(params) == [expected, expected]
+    seeded = sglang_sampling_params(SamplingParams(top_k=4, n=3, seed=2))
+    # sample seeds as in the hf engine: seed * 1_000_003 + slot
+    assert [p["sampling_seed"] for p in seeded] == [2_000_006, 2_000_007, 2_000_008]
+    assert {p["top_k"] for p in seeded} == {4}
+
+
+def test_original_logprob_switch_is_read_like_sglang_reads_booleans():
+    assert original_logprob_enabled({"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+    assert original_logprob_enabled({"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"})
+    assert not original_logprob_enabled({"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"})
+    assert not original_logprob_enabled({})
+
+
+def test_finish_reasons_map_and_unknown_ones_fail():
+    reasons = [{"type": "stop", "matched": 1}, {"type": "length", "length": 4}, {"type": "abort", "message": "x"}]
+    assert [finish_reason_from_sglang(r) for r in reasons] == ["stop", "length", "abort"]
+    assert finish_reason_from_sglang(None) == "abort"  # returned without finishing
+    with pytest.raises(RuntimeError, match="weird"):
+        finish_reason_from_sglang({"type": "weird"})
+
+
+def test_result_dict_becomes_tokens_with_their_logprobs():
+    result = {"output_ids": [7, 1], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "stop", "matched": 1},
+        "output_token_logprobs": [(-0.25, 7, None), (-1.5, 1, None)]}}
+    out = completion_output_from_sglang(result, version=3)
+    assert (out.token_ids, out.logprobs, out.policy_versions, out.finish_reason) == ([7, 1], [-0.25, -1.5], [3, 3],
+                                                                                     "stop")
+    with pytest.raises(RuntimeError, match="return_logprob"):
+        completion_output_from_sglang({"meta_info": {"finish_reason": None}}, version=0)
+
+
+class _LoopOwner:
+    """Uses its event loop the way sglang.Engine does: created (and set current) in the constructor's
+    thread when none is running; sync methods call `loop.run_until_complete`; async ones run on it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.gate = asyncio.Event()
+        self.thread = threading.current_thread()
+
+    async def wait_for_gate(self, value):
+        await self.gate.wait()
+        return value, threading.current_thread() is self.thread
+
+    def open_gate(self):
+        async def run():
+            self.gate.set()
+            await asyncio.sleep(0.01)  # the waiting coroutine finishes inside this run_until_complete
+            return "opened"
+
+        return self.loop.run_until_complete(run())
+
+
+def test_loop_thread_keeps_coroutines_running_across_synchronous_calls():
+    driver = _EngineLoopThread(_LoopOwner)
+    try:
+        pending = driver.submit(driver.engine.wait_for_gate("done"))
+        assert not pending.done()
+        assert driver.call(driver.engine.open_gate) == "opened"  # a sync method, from another thread
+        assert pending.result(timeout=5) == ("done", True)  # ran on the engine's own thread and loop
+        assert driver.call(lambda: 42) == 42  # later calls still served
+        with pytest.raises(ZeroDivisionError):
+            driver.call(lambda: 1 / 0)
+    finally:
+        driver.close()
+    assert not driver.thread.is_alive()
+
+
+def test_loop_thread_reports_a_failing_constructor():
+    def broken():
+        raise OSError("no GPU")
+
+    with pytest.raises(OSError, match="no GPU"):
+        _EngineLoopThread(broken)
+
+
+@pytest.mark.gpu
+def test_sglang_engine_refuses_to_start_with_original_logprobs(random_model_dir, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("sglang")
+    from rollflow.engines.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        SGLangEngine(random_model_dir)
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB")
+    engine = SGLangEngine(random_model_dir, mem_fraction_static=0.25, disable_cuda_graph=True)
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, n=3)
+        completion = asyncio.run(engine.generate(GenerationRequest("s", [3, 20, 5], params)))
+        assert len(completion.outputs) == 3 and all(1 <= len(o.token_ids) <= 4 for o in completion.outputs)
+    finally:
+        engine.close()
