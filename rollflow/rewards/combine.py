@@ -181,13 +181,18 @@ class CombinedReward:
             raise outcome
         return outcome
 
-    def start(self) -> None:
-        """Start every group reward's workers now (they otherwise start on first use); surfaces a bad
-        model path before the first step."""
+    def start(self, wait: bool = True) -> None:
+        """Start every group reward's workers now (they otherwise start on first use).
+
+        Args:
+            wait: block until their models are loaded, which surfaces a bad model path before the first
+                step. False: they load in the background (alongside the other roles' workers) and the
+                first group waits for them.
+        """
         for reward in self.group_rewards:
             start = getattr(reward, "start", None)
             if start is not None:
-                start()
+                start(wait=wait)
 
     def close(self) -> None:
         """Release the group rewards' workers. Plain functions hold nothing."""

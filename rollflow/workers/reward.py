@@ -78,22 +78,24 @@ class RemoteReward:
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         self.workers: list[ray.actor.ActorHandle] = []
         self._in_flight: list[list[ray.ObjectRef]] = []
+        self._ready = False
 
-    def start(self) -> None:
-        """Start the workers and wait until each has loaded its model; raises `RewardWorkerError`."""
-        if self.workers:
-            return
-        actor = ray.remote(RewardWorker).options(**self.actor_options)
-        workers = [actor.remote(self.reward, self.num_cpus, self.device, gpus) for gpus in self.gpus]
-        try:
-            ray.get([worker.__ray_ready__.remote() for worker in workers])
-        except ray.exceptions.RayError as error:
-            for worker in workers:
-                ray.kill(worker)
-            raise RewardWorkerError(f"reward {self.name!r}: its reward worker failed to start: "
-                                    f"{_root_cause(error)}") from None
-        self.workers = workers
-        self._in_flight = [[] for _ in workers]
+    def start(self, wait: bool = True) -> None:
+        """Start the workers. `wait`: block until each has loaded its model (raises `RewardWorkerError`);
+        without it they load in the background and the first `submit` waits (and raises) instead."""
+        if not self.workers:
+            actor = ray.remote(RewardWorker).options(**self.actor_options)
+            self.workers = [actor.remote(self.reward, self.num_cpus, self.device, gpus) for gpus in self.gpus]
+            self._in_flight = [[] for _ in self.workers]
+            self._ready = False
+        if wait and not self._ready:
+            try:
+                ray.get([worker.__ray_ready__.remote() for worker in self.workers])
+            except ray.exceptions.RayError as error:
+                self.close()
+                raise RewardWorkerError(f"reward {self.name!r}: its reward worker failed to start: "
+                                        f"{_root_cause(error)}") from None
+            self._ready = True
 
     def submit(self, completions: list[str], rows: list[Row]) -> ray.ObjectRef:
         """Score a group on the least-loaded worker (starting the workers on first use).
@@ -119,7 +121,7 @@ class RemoteReward:
         """Kill the workers (their processes); a later `submit` starts new ones."""
         for worker in self.workers:
             ray.kill(worker)
-        self.workers, self._in_flight = [], []
+        self.workers, self._in_flight, self._ready = [], [], False
 
 
 def _root_cause(error: BaseException) -> str:

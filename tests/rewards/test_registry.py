@@ -29,6 +29,26 @@ def user_module(tmp_path, monkeypatch):
                 @staticmethod
                 def nested(completion, **row):
                     return 1.0
+
+            from dataclasses import dataclass
+            from rollflow.rewards import ModelReward
+
+            @dataclass(frozen=True, kw_only=True)
+            class VerifierOptions:
+                threshold: float = 0.5
+
+                def __post_init__(self):
+                    if not 0 <= self.threshold <= 1:
+                        raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+
+            class Verifier:
+                def __init__(self, options, device="cpu"):
+                    self.options, self.device = options, device
+
+                async def score_group(self, completions, rows):
+                    return [float(len(c) > self.options.threshold) for c in completions]
+
+            verifier = ModelReward("user_rewards_pkg.scores:Verifier", VerifierOptions)
             """
         )
     )
@@ -87,3 +107,20 @@ def test_load_errors_are_one_line(user_module, spec, pattern):
         resolve_reward(spec)
     assert "\n" not in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_user_model_reward_by_dotted_path(user_module):
+    import asyncio
+
+    from rollflow.rewards import ModelReward
+
+    reward = resolve_reward("user_rewards_pkg.scores:verifier", {"threshold": 1.0})
+    assert isinstance(reward, ModelReward) and reward.options.threshold == 1.0
+    scorer = reward.build(device="cpu")  # what the reward worker does
+    assert asyncio.run(scorer.score_group(["a", "ab"], [{}, {}])) == [0.0, 1.0]
+    with pytest.raises(RewardLoadError, match=r"^reward 'user_rewards_pkg.scores:verifier': threshold must be in"):
+        resolve_reward("user_rewards_pkg.scores:verifier", {"threshold": 2.0})
+    with pytest.raises(RewardLoadError, match="does not take option.*margin.*its options: threshold"):
+        resolve_reward("user_rewards_pkg.scores:verifier", {"margin": 1})
+    with pytest.raises(RuntimeError, match="needs bound options"):
+        ModelReward("user_rewards_pkg.scores:Verifier", object).build()

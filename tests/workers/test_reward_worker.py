@@ -31,7 +31,8 @@ class RecordingOptions:
 class RecordingScorer:
     """A model reward that takes `delay_s` per group and reports when it started and finished (wall clock).
 
-    Completion "2-1" cannot be scored (a `ScoreError`), to exercise per-sample failures."""
+    Completion "2-1" cannot be scored (a `ScoreError`) and group 3 crashes the scorer, to exercise per-sample
+    and per-group failures."""
 
     def __init__(self, options: RecordingOptions, device: str = "cpu"):
         self.delay_s = options.delay_s
@@ -40,6 +41,8 @@ class RecordingScorer:
         started = time.time()
         await asyncio.sleep(self.delay_s)
         finished = time.time()
+        if completions[0].startswith("3-"):
+            raise RuntimeError("scorer crashed")
         return [ScoreError("cannot judge") if c == "2-1" else
                 {"reward": float(c.endswith("-0")), "started": started, "finished": finished}
                 for c in completions]
@@ -89,9 +92,16 @@ def test_a_worker_that_cannot_start_is_a_one_line_error(ray_session, tmp_path):
     (broken / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     reward = resolve_reward("llm_judge", {"model_path": str(broken)})  # passes the driver-side path check
     remote = RemoteReward("judge", reward)
+    started = time.perf_counter()
+    remote.start(wait=False)  # loads in the background ...
+    assert time.perf_counter() - started < 1.0 and len(remote.workers) == 1
     with pytest.raises(RewardWorkerError, match=r"reward 'judge': its reward worker failed to start: .*") as info:
-        remote.submit(["x"], [{}])
-    assert "\n" not in str(info.value) and "not_a_model" in str(info.value)
+        remote.submit(["x"], [{}])  # ... and the first group finds out
+    assert "\n" not in str(info.value)
+    # The constructor's own error, not Ray's wrapper and traceback.
+    assert f"failed to start: ModelLoadError: cannot load model from '{broken}': " in str(info.value)
+    assert "not_a_model" in str(info.value)
+    assert remote.workers == []  # the dead worker was let go
 
 
 def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
@@ -106,27 +116,24 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
         result = scheduler.generate(prompts, SamplingParams(n=2))
     finally:
         remote.close()
-    by_group = {s.group_id: [] for s in result.samples}
-    for sample in result.samples:
-        by_group[sample.group_id].append(sample)
-    assert len(result.samples) == 8 and len(by_group) == 4
+    by_group = {k: [s for s in result.samples if s.prompt_ids == [k]] for k in range(4)}  # group k: prompt [k]
+    assert len(result.samples) == 8 and all(len(samples) == 2 for samples in by_group.values())
 
     failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
-    assert [s.response_text for s in failed] == ["2-1"]
-    assert failed[0].metadata["error"] == "RewardScoreError: reward 'slow': cannot judge"
+    assert sorted(s.response_text for s in failed) == ["2-1", "3-0", "3-1"]
+    assert next(s for s in failed if s.response_text == "2-1").metadata["error"] == \
+        "RewardScoreError: reward 'slow': cannot judge"  # one sample the scorer could not judge
+    crashed = [s.metadata["error"] for s in by_group[3]]  # the whole group fails with the scorer
+    assert all(e.startswith("RayTaskError(RuntimeError)") and "scorer crashed" in e for e in crashed)
     scored = [s for s in result.samples if s.status != SampleStatus.FAILED]
     for sample in scored:  # exact: 1 for "k-0"; slow: 1 for "k-0"; total = 1.0 * exact + 0.5 * slow
         hit = float(sample.response_text.endswith("-0"))
         assert sample.rewards["exact"] == hit and sample.rewards["slow"] == hit
         assert sample.reward == pytest.approx(1.5 * hit)
 
-    def group_times(k):
-        sample = next(s for s in by_group[k] if s.status != SampleStatus.FAILED)
-        return sample.metadata["generated_at"], sample.rewards["slow/started"], sample.rewards["slow/finished"]
-
-    generated = [group_times(k)[0] for k in range(4)]
-    started = [group_times(k)[1] for k in range(4)]
-    finished = [group_times(k)[2] for k in range(4)]
+    generated = [by_group[k][0].metadata["generated_at"] for k in range(4)]
+    started = [scored_sample(by_group[k]).rewards["slow/started"] for k in range(3)]
+    finished = [scored_sample(by_group[k]).rewards["slow/finished"] for k in range(3)]
     # Group 0 is scored while groups 1-3 are still generating (they finish 0.2, 0.4, 0.6 s after it) ...
     assert finished[0] > generated[3]
     # ... and the scheduler sends each group as it arrives instead of waiting for group 0's scores.
@@ -135,6 +142,10 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     # Serial scoring would take 4 x 1.5 s; overlapped it is about 0.6 s of generation + 1.5 s.
     assert result.metrics["time/rollout"] < 3 * delay_s
     assert result.metrics["time/reward_wait"] >= delay_s - 3 * step_s - 0.1
+
+
+def scored_sample(samples):
+    return next(s for s in samples if s.status != SampleStatus.FAILED)
 
 
 def test_build_reward_fn_puts_model_rewards_on_workers_and_plain_ones_on_the_driver():
