@@ -262,6 +262,9 @@ class ClusterConfig(Strict):
     device: Literal["cpu", "gpu"] = "cpu"  # what a device index in roles.*.device_mapping names
     num_devices: int | None = None  # devices per node (default: the CPUs or GPUs Ray sees per node)
     weight_sync_bucket_mb: float = Field(default=64.0, gt=0)  # trainer -> engines transfer piece size
+    # object_store: through Ray's object store (anywhere); broadcast: a torch process group of the trainer's
+    # rank 0 and the engines (gloo on CPU, NCCL GPU to GPU)
+    weight_sync_transport: Literal["object_store", "broadcast"] = "object_store"
 
 
 class ChecksConfig(Strict):

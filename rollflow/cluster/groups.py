@@ -143,10 +143,22 @@ def create_role_workers(config: RunConfig) -> RoleWorkers:
         # Data-parallel ranks meet at rank 0's address, then build their backends together (collective).
         master_addr, master_port = ray.get(actor_train.handles[0].rendezvous_address.remote())
         ray.get(actor_train.call_async("init_backend", master_addr, master_port))
+        if config.cluster.weight_sync_transport == "broadcast":
+            _open_broadcast(actor_train, actor_infer)
     except Exception:
         workers.shutdown()
         raise
     return workers
+
+
+def _open_broadcast(actor_train: WorkerGroup, actor_infer: WorkerGroup) -> None:
+    """Form the weight-broadcast group: trainer rank 0 hosts it, engine worker i joins as rank i + 1."""
+    trainer = actor_train.handles[0]
+    host, port = ray.get(trainer.rendezvous_address.remote())
+    world_size = len(actor_infer) + 1
+    ray.get([trainer.open_broadcast.remote(host, port, world_size),
+             *[engine.open_broadcast.remote(host, port, rank + 1, world_size)
+               for rank, engine in enumerate(actor_infer.handles)]])
 
 
 def _reserve(plan: PlacementPlan) -> PlacementGroup | None:

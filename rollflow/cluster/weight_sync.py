@@ -1,5 +1,13 @@
 """Versioned, checksummed weight transfer from the trainer to inference engines.
 
+Two transports carry the same buckets (tensors grouped in name order, about `bucket_bytes` each):
+
+* `object_store` (default): the trainer's rank 0 puts each bucket in the Ray object store; every engine worker
+  fetches them. Works anywhere Ray does, across nodes, CPU or GPU (through host memory).
+* `broadcast`: the trainer's rank 0 and every engine worker form a standalone torch process group (gloo on
+  CPU, NCCL on GPUs, so GPU weights go device to device without host copies) and each bucket is broadcast
+  as one flat byte buffer; the manifest carries the layout the receivers need to allocate and unpack it.
+
 The trainer computes a checksum over every tensor it sends (names, dtypes, shapes and raw bytes, in name
 order); the engine recomputes it on arrival and refuses weights that differ, so a corrupted or partial
 transfer stops the run instead of silently training against a different model.
@@ -8,6 +16,7 @@ transfer stops the run instead of silently training against a different model.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +30,7 @@ def weights_checksum(named_tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(named_tensors):
         tensor = named_tensors[name].detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
@@ -46,9 +55,11 @@ class WeightManifest:
     Attributes:
         version: policy version (optimizer steps taken).
         checksum: `weights_checksum` of the full set, taken before the transfer.
-        buckets: Ray object refs, each a `dict[name, tensor]` of about `bucket_bytes`, in name order.
+        buckets: `object_store`: Ray object refs, each a `dict[name, tensor]` of about `bucket_bytes`, in name
+            order. `broadcast`: empty.
         nbytes: total tensor bytes.
         num_tensors: tensors over all buckets.
+        layouts: `broadcast`: per bucket, the (name, dtype, shape) of each tensor in the flat buffer.
     """
 
     version: int
@@ -56,6 +67,11 @@ class WeightManifest:
     buckets: list = field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
+    layouts: list[list[tuple[str, str, tuple[int, ...]]]] = field(default_factory=list)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets) or len(self.layouts)
 
 
 def split_buckets(named_tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -88,22 +104,98 @@ def flip_one_byte(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def publish_weights(named_tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int,
-                    corrupt: bool = False) -> WeightManifest:
-    """Checksum the weights, put them in the Ray object store in buckets, return the manifest.
+                    corrupt: bool = False, transport: str = "object_store",
+                    ) -> tuple[WeightManifest, list[dict[str, torch.Tensor]]]:
+    """Checksum the weights and split them into buckets for `transport`.
 
     Args:
-        named_tensors: full weights (CPU tensors).
+        named_tensors: full weights.
         version: the policy version they are.
         bucket_bytes: target bucket size.
         corrupt: flip one byte after the checksum is taken (tests prove the receiver catches it).
-    """
-    import ray
+        transport: "object_store" (buckets go into the Ray object store now) or "broadcast" (the caller sends
+            the returned buckets with `BroadcastGroup.send` while the engines receive).
 
+    Returns:
+        (manifest for the engines, the buckets still to send: empty for the object store).
+    """
     checksum = weights_checksum(named_tensors)
     if corrupt:
         named_tensors = flip_one_byte(named_tensors)
-    buckets = [ray.put(bucket) for bucket in split_buckets(named_tensors, bucket_bytes)]
-    return WeightManifest(version, checksum, buckets, weights_nbytes(named_tensors), len(named_tensors))
+    buckets = split_buckets(named_tensors, bucket_bytes)
+    manifest = WeightManifest(version, checksum, nbytes=weights_nbytes(named_tensors),
+                              num_tensors=len(named_tensors))
+    if transport == "object_store":
+        import ray
+
+        manifest.buckets = [ray.put(bucket) for bucket in buckets]
+        return manifest, []
+    manifest.layouts = [[(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in b.items()]
+                        for b in buckets]
+    return manifest, buckets
+
+
+def pack_bucket(bucket: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The bucket's tensors as one flat uint8 buffer, in the bucket's order."""
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.values()])
+
+
+def unpack_bucket(flat: torch.Tensor, layout: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Inverse of `pack_bucket` given the bucket's (name, dtype, shape) layout."""
+    named, offset = {}, 0
+    for name, dtype_name, shape in layout:
+        dtype = getattr(torch, dtype_name)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        # a copy: a slice at an odd offset cannot be viewed as a wider dtype (alignment)
+        named[name] = flat[offset:offset + nbytes].clone().view(dtype).view(shape)
+        offset += nbytes
+    return named
+
+
+class BroadcastGroup:
+    """A standalone torch process group of the trainer's rank 0 (rank 0 here) and the engine workers.
+
+    Built on its own TCPStore, not the default process group, so it lives beside the trainer's FSDP group.
+    gloo on CPU; NCCL on CUDA devices.
+
+    Args:
+        host, port: where rank 0 hosts the store.
+        rank: 0 for the trainer, 1..N for the engine workers.
+        world_size: N + 1.
+        device: "cpu" or "cuda" (the current CUDA device).
+        timeout_s: how long a member waits for the others.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: str = "cpu",
+                 timeout_s: float = 600.0):
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        if device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        else:
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+
+    def send(self, buckets: list[dict[str, torch.Tensor]]) -> None:
+        """Broadcast each bucket as one buffer (rank 0)."""
+        for bucket in buckets:
+            self.group.broadcast(pack_bucket(bucket).to(self.device), 0).wait()
+
+    def receive(self, layouts: list[list[tuple[str, str, tuple[int, ...]]]]) -> list[dict[str, torch.Tensor]]:
+        """Receive every bucket described by `layouts` (ranks 1..N)."""
+        buckets = []
+        for layout in layouts:
+            nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
+                         for _, d, shape in layout)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.group.broadcast(flat, 0).wait()
+            buckets.append(unpack_bucket(flat, layout))
+        return buckets
 
 
 def assemble_weights(manifest: WeightManifest, buckets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -88,10 +88,12 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
             started = time.perf_counter()
             corrupt = syncs == checks.fault_injection_flip_sync_byte_at
             manifest = workers.actor_train.call("weights_for_sync", bucket_bytes, corrupt)
+            sending = workers.actor_train.handles[0].send_weights.remote()  # broadcast transport only
             # each engine checks the checksum: a corrupted transfer raises WeightSyncError, stopping the run
             loaded = ray.get(workers.actor_infer.call_async("update_weights", manifest))
+            ray.get(sending)
             return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
-                    "sync/buckets": len(manifest.buckets), "sync/version": manifest.version,
+                    "sync/buckets": manifest.num_buckets, "sync/version": manifest.version,
                     "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
 
         def train_on(batch: Batch, step: int) -> dict[str, float]:

@@ -10,7 +10,7 @@ import torch
 from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.runtime import free_port
-from rollflow.cluster.weight_sync import WeightManifest, publish_weights
+from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, publish_weights
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
 from rollflow.workers.actor_loss import ActorLoss
@@ -33,6 +33,8 @@ class ActorTrainWorker(PlacedWorker):
         self.temperature = config.rollout.temperature
         self.mini_batches = config.train.optimizer_steps_per_step
         self.version = 0
+        self.broadcast: BroadcastGroup | None = None
+        self.outgoing: list[dict[str, torch.Tensor]] = []
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(host, free port) of this worker, where rank 0 hosts the process-group rendezvous."""
@@ -89,15 +91,29 @@ class ActorTrainWorker(PlacedWorker):
     def weights_for_sync(self, bucket_bytes: int, corrupt: bool = False) -> WeightManifest | None:
         """Publish the current weights for the inference engines (a collective: every rank calls it).
 
-        Rank 0 puts them in the Ray object store in buckets of about `bucket_bytes` and returns the manifest
-        (version, checksum, bucket refs); other ranks return None. `corrupt` flips one byte after the
-        checksum is taken (the `checks.fault_injection` test hook).
+        Rank 0 checksums them, splits them into buckets of about `bucket_bytes` and returns the manifest; with
+        the object-store transport the buckets are already in the object store, with `broadcast` they wait
+        for `send_weights`. Other ranks return None. `corrupt` flips one byte after the checksum is taken
+        (the `checks.fault_injection_flip_sync_byte_at` test hook).
         """
         self.require_resident("weights_for_sync")
         weights = self.backend.named_weights()  # full weights on rank 0, {} elsewhere
         if self.rank != 0:
             return None
-        return publish_weights(weights, self.version, bucket_bytes, corrupt)
+        transport = "broadcast" if self.broadcast is not None else "object_store"
+        manifest, self.outgoing = publish_weights(weights, self.version, bucket_bytes, corrupt, transport)
+        return manifest
+
+    def open_broadcast(self, host: str, port: int, world_size: int) -> None:
+        """Join the weight-broadcast group as its rank 0 (see `rollflow.cluster.weight_sync`)."""
+        device = "cuda" if self.config.cluster.device == "gpu" else "cpu"
+        self.broadcast = BroadcastGroup(host, port, 0, world_size, device)
+
+    def send_weights(self) -> None:
+        """Broadcast the buckets `weights_for_sync` prepared (no-op for the object-store transport)."""
+        if self.outgoing:
+            self.broadcast.send(self.outgoing)
+        self.outgoing = []
 
     def save(self, path: str) -> None:
         self.backend.save(path)

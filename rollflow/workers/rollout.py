@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.cluster.weight_sync import WeightManifest, assemble_weights
+from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, assemble_weights
 from rollflow.config import RunConfig
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
@@ -19,6 +19,8 @@ class RolloutWorker(PlacedWorker):
         super().__init__(placement, config.cluster.device)
         role = config.roles.actor_infer
         worker_index = self.worker_index = placement.index
+        self.device = config.cluster.device
+        self.broadcast: BroadcastGroup | None = None
         self.engine = create_engine(
             role.engine, model_path=config.model.path, dtype=config.model.dtype,
             max_batch_size=role.max_batch_size, seed=config.seed * 1000 + worker_index,
@@ -37,7 +39,10 @@ class RolloutWorker(PlacedWorker):
         """Fetch the buckets of `manifest` (from `ActorTrainWorker.weights_for_sync`), verify the checksum,
         load them into the engine. Returns the new version and the fetch / load seconds."""
         started = time.perf_counter()
-        buckets = [await ref for ref in manifest.buckets]  # one bucket in flight at a time
+        if manifest.layouts:  # broadcast transport: the trainer sends while we receive
+            buckets = self.broadcast.receive(manifest.layouts)
+        else:
+            buckets = [await ref for ref in manifest.buckets]  # one bucket in flight at a time
         weights = assemble_weights(manifest, buckets)  # raises WeightSyncError on a corrupted transfer
         fetched = time.perf_counter()
         self.engine.update_weights(weights, manifest.version, manifest.checksum)
@@ -46,6 +51,11 @@ class RolloutWorker(PlacedWorker):
 
     async def version(self) -> int:
         return self.engine.version
+
+    async def open_broadcast(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the weight-broadcast group (rank 0 is the trainer), see `rollflow.cluster.weight_sync`."""
+        device = "cuda" if self.device == "gpu" else "cpu"
+        self.broadcast = BroadcastGroup(host, port, rank, world_size, device)
 
     async def offload(self) -> dict[str, float]:
         """Put the engine to sleep (frees its weights / KV cache on GPU) while a colocated role runs."""

@@ -51,13 +51,29 @@ def test_publish_and_assemble_through_the_object_store(ray_session):
     from rollflow.cluster.weight_sync import assemble_weights, publish_weights
 
     weights = _weights()
-    manifest = publish_weights(weights, version=3, bucket_bytes=50)
-    assert len(manifest.buckets) == 3 and manifest.num_tensors == 3 and manifest.version == 3
+    manifest, unsent = publish_weights(weights, version=3, bucket_bytes=50)
+    assert unsent == [] and len(manifest.buckets) == 3 and manifest.num_tensors == 3 and manifest.version == 3
     received = assemble_weights(manifest, ray.get(manifest.buckets))
     assert all(torch.equal(received[k], weights[k]) for k in weights)
 
-    corrupted = publish_weights(weights, version=4, bucket_bytes=50, corrupt=True)
+    corrupted, _ = publish_weights(weights, version=4, bucket_bytes=50, corrupt=True)
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
         assemble_weights(corrupted, ray.get(corrupted.buckets))
     with pytest.raises(WeightSyncError, match="delivered 2 tensors, the trainer sent 3"):
         assemble_weights(manifest, ray.get(manifest.buckets[:2]))
+
+
+def test_broadcast_buckets_pack_and_unpack_every_dtype():
+    from rollflow.cluster.weight_sync import pack_bucket, publish_weights, unpack_bucket
+
+    weights = {**_weights(), "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    manifest, buckets = publish_weights(weights, version=1, bucket_bytes=40, transport="broadcast")
+    assert manifest.buckets == [] and manifest.num_buckets == len(buckets) == len(manifest.layouts) > 1
+    received = {}
+    for bucket, layout in zip(buckets, manifest.layouts):
+        flat = pack_bucket(bucket).clone()  # what the receiver's buffer holds after the broadcast
+        assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for t in bucket.values())
+        received.update(unpack_bucket(flat, layout))
+    assert set(received) == set(weights)
+    assert all(received[k].dtype == weights[k].dtype and torch.equal(received[k], weights[k]) for k in weights)
+    verify_weights(received, manifest.checksum)

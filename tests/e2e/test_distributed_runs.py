@@ -45,8 +45,10 @@ def test_corrupted_weight_transfer_stops_the_run_with_a_clear_error(tmp_path):
 
 
 def test_colocated_and_disaggregated_placements_both_train(tmp_path, ray_session):
+    # colocated, and weights go by torch broadcast (gloo) to both engines instead of the object store
     placement, rows = _run(tmp_path, "colocated", "roles.actor_train.device_mapping=[0,1]",
-                           "roles.actor_infer.device_mapping=[0,1]", "roles.actor_infer.num_workers=2")
+                           "roles.actor_infer.device_mapping=[0,1]", "roles.actor_infer.num_workers=2",
+                           "cluster.weight_sync_transport=broadcast")
     assert [w["devices"] for w in placement["actor_infer"]] == [[0], [1]]
     assert placement["actor_train"][0]["devices"] == [0, 1]
     last = rows[-1]
