@@ -80,7 +80,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+        # address="local": always a new local instance, never a stray cluster another process left running
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
                  logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
 
 

@@ -26,7 +26,7 @@ def run_eval(config: RunConfig) -> dict[str, float]:
     rows = load_dataset(data.eval, data, config.seed)
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
     prompts = [encoder.encode(row) for row in rows]
-    reward_fn = build_reward_fn(config.reward)
+    reward_fn = build_reward_fn(config.reward, config.roles.reward, config.cluster.device)
     start_ray(config.cluster.address, config.cluster.num_cpus)
     try:
         role = config.roles.actor_infer
@@ -38,6 +38,7 @@ def run_eval(config: RunConfig) -> dict[str, float]:
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
         samples = scheduler.generate(prompts, greedy).samples
     finally:
+        reward_fn.close()
         stop_ray()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples))

@@ -54,7 +54,7 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     eval_rows = load_dataset(data.eval, data, config.seed) if data.eval else []
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
     eval_prompts = [encoder.encode(row) for row in eval_rows]
-    reward_fn = build_reward_fn(config.reward)
+    reward_fn = build_reward_fn(config.reward, config.roles.reward, config.cluster.device)
     sampler = PromptSampler(train_rows, config.rollout.prompts_per_step, config.seed, data.shuffle)
 
     run_dir = config.run_dir
@@ -66,14 +66,15 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
 
-    with _running(config, manage_ray) as workers:
+    with _running(config, manage_ray, reward_fn) as workers:
         algorithm, checks, output = config.algorithm, config.checks, config.output
         tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
         tracker.print(workers.plan.describe())
         write_placement(run_dir / "placement.json", workers)
         colocation = ColocationManager(workers.plan, {g.role: g for g in workers.groups})
         advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
-        scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer))
+        scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer),
+                                     config.roles.actor_infer.max_in_flight_requests)
         rollout = config.rollout
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                                   n=rollout.samples_per_prompt)
@@ -181,15 +182,18 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _running(config: RunConfig, manage_ray: bool):
-    """Start Ray (if managed) and every role's workers; on the way out, normal or not, stop them."""
+def _running(config: RunConfig, manage_ray: bool, reward_fn):
+    """Start Ray (if managed), the model rewards' workers and every role's workers; on the way out, normal
+    or not, stop them all."""
     if manage_ray:
         start_ray(config.cluster.address, config.cluster.num_cpus)
     workers = None
     try:
+        reward_fn.start(wait=False)  # a judge model loads while the other workers start
         workers = create_role_workers(config)
         yield workers
     finally:
+        reward_fn.close()
         if workers is not None:
             workers.shutdown()
         if manage_ray:

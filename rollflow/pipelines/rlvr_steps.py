@@ -227,7 +227,8 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
         f"{prefix}/failed_ratio": statistics.fmean(s.status == SampleStatus.FAILED for s in samples),
         f"{prefix}/reward_mean": statistics.fmean(rewards),
     }
-    for name in samples[0].rewards:
+    names = sorted({name for s in samples for name in s.rewards})  # a failed first sample has none
+    for name in names:
         metrics[f"{prefix}/reward/{name}"] = statistics.fmean(s.rewards.get(name, 0.0) for s in samples)
     if prefix == "rollout":
         metrics["reward/mean"] = metrics[f"{prefix}/reward_mean"]

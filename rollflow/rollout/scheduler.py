@@ -1,7 +1,8 @@
 """Rollout scheduler: routes prompt groups to rollout workers and turns completions into scored `Sample`s.
 
 Each prompt's group of samples is one request (prompt affinity: a group stays on one worker, which also
-shares its prefill). Requests go to the least-loaded worker. Rewards are computed per group as soon as its
+shares its prefill). Requests go to the least-loaded worker (samples in flight) among those under the
+per-worker cap on in-flight requests; the rest wait and are sent as workers free up. Rewards are computed per group as soon as its
 completion arrives, while the other groups are still generating. Model rewards (an LLM judge, a reward
 model) score the whole group in one call on reward workers: the scheduler sends the group, keeps collecting
 other groups' completions and finishes the group's samples when the scores arrive.
@@ -9,6 +10,7 @@ other groups' completions and finishes the group's samples when the scores arriv
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable
@@ -42,10 +44,14 @@ class RolloutScheduler:
         reward_fn: the combined reward (`rollflow.rewards.CombinedReward`), or any function
             `(completion, **row) -> (total, parts)`.
         decode: `list[int] -> str` for completion text.
+        max_in_flight: most requests (prompt groups) one worker holds at a time; the rest wait in the
+            scheduler and go to whichever worker frees up first (`roles.actor_infer.max_in_flight_requests`).
     """
 
-    def __init__(self, workers: list, reward_fn: RewardFn, decode: Callable[[list[int]], str]):
+    def __init__(self, workers: list, reward_fn: RewardFn, decode: Callable[[list[int]], str],
+                 max_in_flight: int = 64):
         self.workers = workers
+        self.max_in_flight = max_in_flight
         self.reward_fn = reward_fn
         self.decode = decode
         # A `CombinedReward` scores whole groups and may wait on reward workers; a plain function is called
@@ -57,14 +63,26 @@ class RolloutScheduler:
     def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> RolloutResult:
         """Sample `params.n` completions for every prompt, score them, return all samples."""
         started = time.perf_counter()
-        load = [0] * len(self.workers)
+        load = [0] * len(self.workers)  # samples in flight per worker
+        requests = [0] * len(self.workers)  # requests in flight per worker (capped)
+        waiting = collections.deque(prompts)
         in_flight: dict[ray.ObjectRef, tuple[EncodedPrompt, int, int]] = {}
-        for prompt in prompts:
-            worker = min(range(len(self.workers)), key=load.__getitem__)
-            load[worker] += params.n
-            request = GenerationRequest(f"req-{next(self._ids)}", prompt.token_ids, params)
-            ref = self.workers[worker].generate.remote(request)
-            in_flight[ref] = (prompt, worker, next(self._groups))
+
+        def dispatch() -> None:
+            """Send waiting groups to the least-loaded workers that are under their in-flight cap."""
+            while waiting:
+                open_workers = [w for w in range(len(self.workers)) if requests[w] < self.max_in_flight]
+                if not open_workers:
+                    return
+                worker = min(open_workers, key=load.__getitem__)
+                prompt = waiting.popleft()
+                load[worker] += params.n
+                requests[worker] += 1
+                request = GenerationRequest(f"req-{next(self._ids)}", prompt.token_ids, params)
+                ref = self.workers[worker].generate.remote(request)
+                in_flight[ref] = (prompt, worker, next(self._groups))
+
+        dispatch()
         scoring: dict[ray.ObjectRef, tuple[_GroupScoring, int]] = {}  # model-reward future -> (group, index)
         samples: list[Sample] = []
         reward_seconds = 0.0
@@ -78,6 +96,7 @@ class RolloutScheduler:
             for ref, completion in zip(generated, ray.get(generated)):
                 prompt, worker, group_id = in_flight.pop(ref)
                 load[worker] -= params.n
+                requests[worker] -= 1
                 reward_started = time.perf_counter()
                 if self.batched:  # plain rewards now; model rewards go to reward workers and arrive later
                     group = self._submit(prompt, completion, group_id)
@@ -87,6 +106,7 @@ class RolloutScheduler:
                 else:
                     samples.extend(self._score(prompt, completion, group_id))
                 reward_seconds += time.perf_counter() - reward_started
+            dispatch()  # freed capacity takes the next waiting groups
             if not in_flight and generation_done is None:
                 generation_done = time.perf_counter()
             for ref in (ref for ref in done if ref in scoring):
