@@ -32,11 +32,15 @@ def test_lora_run_learns_and_its_checkpoint_loads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    # a KL term makes the trainer ask actor_train for reference logprobs: its base model, adapters off
     _train("train.steps=10", "train.lr_schedule=constant", "eval.every_steps=10", "data.eval.limit=200",
-           "output.trackers=[jsonl]", "name=lora", f"output.dir={tmp_path}")
+           "algorithm.kl_loss_coef=0.01", "output.trackers=[jsonl]", "name=lora", f"output.dir={tmp_path}")
     rows = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     initial, final = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert final >= initial + 0.10, (initial, final)
+    # LoRA's B starts at 0, so policy == reference until the first update; then the adapters move it
+    assert rows[1]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[-1]["actor/kl"] > 1e-6
 
     checkpoint = tmp_path / "lora" / "checkpoints" / "step_10" / "model"
     adapter_config = json.loads((checkpoint / "adapter_config.json").read_text())
