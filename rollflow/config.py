@@ -282,6 +282,13 @@ class OutputConfig(Strict):
     trackers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
 
 
+# Backend arguments the actor_train worker fills from typed config keys; backend_kwargs must not repeat them.
+RESERVED_BACKEND_KWARGS = {
+    "model_path", "dtype", "lr", "betas", "weight_decay", "warmup_steps", "max_grad_norm", "micro_batch_size",
+    "lr_schedule", "total_steps", "trust_remote_code", "max_response_length", "lora", "trainable", "value_head",
+}
+
+
 class RunConfig(Strict):
     """A whole `rollflow train` run."""
 
@@ -334,6 +341,12 @@ class RunConfig(Strict):
             raise ValueError(
                 f"roles.actor_train.num_workers is {actor.num_workers} but the torch backend trains in one "
                 "process; set roles.actor_train.backend: fsdp2 for data-parallel training"
+            )
+        reserved = sorted(set(actor.backend_kwargs) & RESERVED_BACKEND_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"roles.actor_train.backend_kwargs sets {', '.join(reserved)}, which rollflow sets from the "
+                "config; use the config key instead (e.g. roles.actor_train.lora, train.lr, model.dtype)"
             )
         if actor.lora is not None and actor.backend != "torch":
             raise ValueError(f"roles.actor_train.lora works with the torch backend only (got {actor.backend!r})")

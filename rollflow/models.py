@@ -17,7 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(path: str) -> str:
-    """Map a bundled name (`tiny`) to its directory, check a local directory, or pass a hub id through."""
+    """Map a bundled name (`tiny`) to its directory, check a local directory (a LoRA checkpoint resolves to
+    its `merged/` model), or pass a hub id through."""
     if path in BUNDLED_MODELS:
         if not (BUNDLED_MODELS[path] / "config.json").is_file():
             raise ModelLoadError(f"bundled model {path!r} is missing from {BUNDLED_MODELS[path]}; "
@@ -25,6 +26,8 @@ def resolve_model_path(path: str) -> str:
         return str(BUNDLED_MODELS[path])
     expanded = Path(path).expanduser()
     if expanded.exists():
+        if (expanded / "adapter_config.json").is_file() and (expanded / "merged" / "config.json").is_file():
+            return str(expanded / "merged")  # a LoRA checkpoint: its merged full model serves as the model
         if not (expanded / "config.json").is_file():
             raise ModelLoadError(f"model path {path!r} is not a Hugging Face model directory (no config.json)")
         return str(expanded)

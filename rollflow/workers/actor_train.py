@@ -125,6 +125,7 @@ class ActorTrainWorker(PlacedWorker):
     def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] reference logprobs: the base model with the LoRA adapters disabled (LoRA runs need no
         reference worker)."""
+        self.require_resident("compute_reference_logprobs")
         return self.backend.forward_reference_logprobs(batch, self.temperature)
 
 

@@ -69,6 +69,7 @@ def test_bad_mappings_fail_with_one_line(overrides, message):
     (["roles.actor_train.num_workers=3", "roles.actor_train.backend=fsdp2"],
      "3 data-parallel ranks .* cannot split evenly"),
     (["roles.actor_train.backend=fsdp2", "roles.actor_train.lora.rank=4"], "lora works with the torch backend"),
+    (["roles.actor_train.backend_kwargs={lora: {rank: 2}}"], "backend_kwargs sets lora, which rollflow sets"),
 ])
 def test_config_rejects_what_the_backends_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
