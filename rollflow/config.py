@@ -286,6 +286,7 @@ class OutputConfig(Strict):
 RESERVED_BACKEND_KWARGS = {
     "model_path", "dtype", "lr", "betas", "weight_decay", "warmup_steps", "max_grad_norm", "micro_batch_size",
     "lr_schedule", "total_steps", "trust_remote_code", "max_response_length", "lora", "trainable", "value_head",
+    "device",
 }
 
 

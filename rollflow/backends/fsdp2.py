@@ -25,7 +25,6 @@ import math
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +120,6 @@ def shard_model(model: torch.nn.Module, mesh, mixed_precision: dict[str, str] | 
             module.set_force_sum_reduction_for_comms(True)
 
 
-def batch_to(batch: Batch, device: torch.device) -> Batch:
-    """The batch with every tensor on `device` (the same object on CPU)."""
-    if device.type == "cpu":
-        return batch
-    tensors = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-               if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, **tensors, extras={k: v.to(device) for k, v in batch.extras.items()})
-
-
 class FSDP2Backend:
     """One data-parallel rank's sharded model, optimizer and LR schedule.
 
@@ -145,6 +135,7 @@ class FSDP2Backend:
             "reduce_dtype": "float32"}; None computes in the parameters' dtype.
         reshard_after_forward: free each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
+        device: "cpu", "cuda" (device LOCAL_RANK) or None for CUDA when available.
 
     Attributes:
         rank, world_size: this process's place in the process group.
@@ -157,13 +148,14 @@ class FSDP2Backend:
                  lr_schedule: str = "constant", total_steps: int = 0,
                  trust_remote_code: bool = False, value_head: bool = False,
                  max_response_length: int | None = None, lora: dict | None = None,
-                 mixed_precision: dict[str, str] | None = None, reshard_after_forward: bool = True):
+                 mixed_precision: dict[str, str] | None = None, reshard_after_forward: bool = True,
+                 device: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
 
         if lora is not None:
             raise NotImplementedError("lora is not supported by the fsdp2 backend yet; use backend: torch")
         mixed_precision_policy(mixed_precision)  # fail on a bad spec before joining the group
-        if torch.cuda.is_available():
+        if device == "cuda" or device is None and torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         else:
@@ -210,7 +202,7 @@ class FSDP2Backend:
         response mask, run only so that FSDP's collectives line up across ranks.
         """
         rows = shard_rows(batch.size, self.world_size, self.rank)
-        shard = batch_to(batch.select(rows), self.device)
+        shard = batch.select(rows).to(self.device)
         placeholder = None
         for index in range(passes_per_rank(batch.size, self.world_size, self.micro_batch_size)):
             start = index * self.micro_batch_size
@@ -218,7 +210,7 @@ class FSDP2Backend:
                 yield shard.select(slice(start, start + self.micro_batch_size)), True
                 continue
             if placeholder is None:
-                placeholder = batch_to(batch.select(slice(0, 1)), self.device)
+                placeholder = batch.select(slice(0, 1)).to(self.device)
                 placeholder.response_mask = torch.zeros_like(placeholder.response_mask)
             yield placeholder, False
 

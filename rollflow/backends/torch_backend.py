@@ -58,6 +58,8 @@ class TorchBackend:
             each batch's padded response width.
         lora: `rollflow.config.LoraConfig` fields (rank, alpha, dropout, target_modules) to train LoRA
             adapters instead of all weights; None trains every weight.
+        device: "cpu", "cuda" (the current CUDA device), or None for CUDA when available. Inputs move to it
+            per micro-batch; results come back on CPU.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -65,7 +67,7 @@ class TorchBackend:
                  max_grad_norm: float = 1.0, micro_batch_size: int = 32, trainable: bool = True,
                  lr_schedule: str = "constant", total_steps: int = 0,
                  trust_remote_code: bool = False, value_head: bool = False,
-                 max_response_length: int | None = None, lora: dict | None = None):
+                 max_response_length: int | None = None, lora: dict | None = None, device: str | None = None):
         if lora is not None and (value_head or not trainable):
             raise ValueError("lora needs a trainable causal LM (not value_head=True or trainable=False)")
         self.value_head = value_head
@@ -76,6 +78,9 @@ class TorchBackend:
             self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         if lora is not None:
             self.model = lora_adapters.wrap_with_lora(self.model, lora)  # freezes the base weights
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model.to(self.device)
+        self.resident = True
         self.forward = response_values if value_head else model_logits  # [b, T] values or [b, T, V] logits
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.micro_batch_size = micro_batch_size
@@ -95,8 +100,10 @@ class TorchBackend:
             self.model.requires_grad_(False)
 
     def _micro_batches(self, batch: Batch):
+        if not self.resident:
+            raise RuntimeError("TorchBackend used while offloaded; call onload() first")
         for start in range(0, batch.size, self.micro_batch_size):
-            yield batch.select(slice(start, start + self.micro_batch_size))
+            yield batch.select(slice(start, start + self.micro_batch_size)).to(self.device)
 
     @torch.no_grad()
     def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -107,7 +114,7 @@ class TorchBackend:
             logits = model_logits(self.model, micro)  # [b, T, V]
             parts.append(token_logprobs(logits, response_tokens(micro), temperature) * (micro.attention_mask[
                 :, micro.prompt_length:] > 0))
-        return torch.cat(parts)
+        return torch.cat(parts).cpu()
 
     def forward_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """Logprobs under the reference policy: the base model with the LoRA adapters disabled (no second
@@ -126,7 +133,7 @@ class TorchBackend:
         self.model.eval()
         parts = [response_values(self.model, micro) * (micro.attention_mask[:, micro.prompt_length:] > 0)
                  for micro in self._micro_batches(batch)]
-        return torch.cat(parts)
+        return torch.cat(parts).cpu()
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch` (all micro-batches accumulated). Returns averaged metrics."""
@@ -163,10 +170,25 @@ class TorchBackend:
         return {name: tensor.to("cpu").contiguous() for name, tensor in weights.items()}
 
     def offload(self) -> None:
-        """Free accelerator memory between phases (nothing to move on CPU)."""
+        """Move weights and optimizer state to host memory between phases (on CPU nothing moves); until
+        `onload()`, forward and training calls raise RuntimeError."""
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+        self.resident = False
 
     def onload(self) -> None:
-        """Bring weights / optimizer state back (nothing to move on CPU)."""
+        """Bring weights and optimizer state back to the device."""
+        if self.device.type == "cuda":
+            self._move(self.device)
+        self.resident = True
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in (self.optimizer.state.values() if self.optimizer else []):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
 
     def save(self, path: str | Path) -> None:
         """Model + tokenizer in HF format under `path` (a value model: `value_model.safetensors`), optimizer /

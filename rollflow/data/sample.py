@@ -6,6 +6,7 @@ Token-in, token-out: the token ids a sample carries are exactly the ones the eng
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,15 @@ class Batch:
     @property
     def response_width(self) -> int:
         return self.response_mask.shape[1]
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor (and extra) on `device`; the same object when already there."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        tensors = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **tensors, extras={k: v.to(device) for k, v in self.extras.items()})
 
     def select(self, index: torch.Tensor | slice) -> Batch:
         """Rows `index` of every tensor (used for micro-batching); padding columns are kept."""

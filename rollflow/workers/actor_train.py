@@ -14,7 +14,7 @@ from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, publish
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
 from rollflow.workers.actor_loss import ActorLoss
-from rollflow.workers.base import PlacedWorker
+from rollflow.workers.base import PlacedWorker, torch_device
 
 
 class ActorTrainWorker(PlacedWorker):
@@ -56,7 +56,8 @@ class ActorTrainWorker(PlacedWorker):
             max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
             lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
             trust_remote_code=config.model.trust_remote_code,
-            max_response_length=config.rollout.max_new_tokens, **lora, **role.backend_kwargs,
+            max_response_length=config.rollout.max_new_tokens, device=torch_device(config), **lora,
+            **role.backend_kwargs,
         )
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:

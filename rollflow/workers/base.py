@@ -54,6 +54,11 @@ class PlacedWorker:
             raise RuntimeError(f"{type(self).__name__}.{operation} called while offloaded; onload() first")
 
 
+def torch_device(config) -> str:
+    """The torch device a worker's model lives on: "cuda" when the cluster's devices are GPUs."""
+    return "cuda" if config.cluster.device == "gpu" else "cpu"
+
+
 def move_report(started: float) -> dict[str, float]:
     rss, device = memory_usage()
     return {"seconds": time.perf_counter() - started, "rss_bytes": rss, "device_bytes": device}

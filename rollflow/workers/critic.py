@@ -16,7 +16,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
 from rollflow.workers.actor_train import train_mini_batches
-from rollflow.workers.base import PlacedWorker
+from rollflow.workers.base import PlacedWorker, torch_device
 
 
 class CriticLoss:
@@ -65,7 +65,7 @@ class CriticWorker(PlacedWorker):
             micro_batch_size=train.train_micro_batch_size, lr_schedule=train.lr_schedule,
             total_steps=train.steps * train.optimizer_steps_per_step,
             trust_remote_code=config.model.trust_remote_code,
-            max_response_length=config.rollout.max_new_tokens, value_head=True,
+            max_response_length=config.rollout.max_new_tokens, value_head=True, device=torch_device(config),
         )
         self.loss = CriticLoss(config.algorithm.loss_aggregation, config.algorithm.value_clip)
         self.mini_batches = train.optimizer_steps_per_step

@@ -9,7 +9,7 @@ from rollflow.cluster.groups import reference_config
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfig
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker
+from rollflow.workers.base import PlacedWorker, torch_device
 
 
 class ReferenceWorker(PlacedWorker):
@@ -19,7 +19,7 @@ class ReferenceWorker(PlacedWorker):
         self.backend = create_backend(
             "torch", model_path=config.model.path, dtype=config.model.dtype,
             micro_batch_size=config.train.train_micro_batch_size, trainable=False,
-            trust_remote_code=config.model.trust_remote_code,
+            trust_remote_code=config.model.trust_remote_code, device=torch_device(config),
         )
         self.temperature = config.rollout.temperature
 

@@ -123,11 +123,13 @@ def test_reference_logprobs_are_the_base_models(random_model_dir):
 
 
 def test_worker_reference_logprobs_use_the_backends_adapters_off_model(random_model_dir):
+    from rollflow.cluster.placement import WorkerPlacement
+    from rollflow.config import load_config
     from rollflow.workers.actor_train import ActorTrainWorker
 
-    # the worker's constructor (placement, ranks) is not what this checks: give it just a backend
-    worker = ActorTrainWorker.__new__(ActorTrainWorker)
-    worker.backend, worker.temperature = _trained(random_model_dir), 0.7
+    config = load_config(None, [f"model.path={random_model_dir}", "rollout.temperature=0.7"])
+    worker = ActorTrainWorker(config, WorkerPlacement("actor_train", 0, (), None, (), threads=1))
+    worker.backend = _trained(random_model_dir)  # instead of init_backend: this LoRA backend
     expected = TorchBackend(random_model_dir, trainable=False).forward_logprobs(_batch(), temperature=0.7)
     assert torch.allclose(worker.compute_reference_logprobs(_batch()), expected, atol=1e-6)
 

@@ -44,3 +44,13 @@ def test_mismatched_per_token_lists_are_rejected():
 def test_collate_of_nothing_is_an_error():
     with pytest.raises(ValueError):
         collate([], 0)
+
+
+def test_to_moves_every_tensor_and_extra():
+    batch = collate([Sample([1], [2]), Sample([3, 4], [5, 6])], pad_token_id=0)
+    batch.extras["advantages"] = torch.ones(2, 2)
+    assert batch.to("cpu") is batch  # already there: no copy
+    moved = batch.to("meta")  # a device every machine has
+    assert moved.input_ids.device.type == "meta" and moved.response_mask.device.type == "meta"
+    assert moved.extras["advantages"].device.type == "meta"
+    assert moved.prompt_length == batch.prompt_length and batch.input_ids.device.type == "cpu"
