@@ -9,7 +9,7 @@ from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, assembl
 from rollflow.config import RunConfig
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
-from rollflow.workers.base import PlacedWorker, move_report
+from rollflow.workers.base import PlacedWorker, move_report, torch_device
 
 
 class RolloutWorker(PlacedWorker):
@@ -21,10 +21,13 @@ class RolloutWorker(PlacedWorker):
         worker_index = self.worker_index = placement.index
         self.device = config.cluster.device
         self.broadcast: BroadcastGroup | None = None
+        # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
+        on_device = role.engine == "hf" and "device" not in role.engine_kwargs
+        device = {"device": torch_device(config)} if on_device else {}
         self.engine = create_engine(
             role.engine, model_path=config.model.path, dtype=config.model.dtype,
             max_batch_size=role.max_batch_size, seed=config.seed * 1000 + worker_index,
-            trust_remote_code=config.model.trust_remote_code, **role.engine_kwargs,
+            trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
         )
 
     async def generate(self, request: GenerationRequest) -> Completion:
