@@ -28,8 +28,9 @@ it was created with, and its async methods must run on that same loop. The engin
 in a private thread that drives that loop: it serves `async_generate` calls until a synchronous call
 arrives, then makes that call (whose `run_until_complete` keeps in-flight generations running).
 
-Policy versions: SGLang's weight update takes the model-update writer lock, which waits for in-flight
-requests, so every token of a request is sampled by the weights current when it started.
+Policy versions: SGLang's weight update takes its model-update writer lock, which waits for running
+requests and holds new ones back, so a request never spans an update; its tokens carry the version
+current when it completes (set on the loop's thread together with the load).
 """
 
 from __future__ import annotations
@@ -162,20 +163,23 @@ class SGLangEngine:
         return await asyncio.wrap_future(self._driver.submit(self._generate(request)))
 
     async def _generate(self, request: GenerationRequest) -> Completion:
-        started, version, n = time.perf_counter(), self._version, request.params.n
+        started, n = time.perf_counter(), request.params.n
         self._submitted.discard(request.request_id)
         if request.request_id in self._aborted_early:
             self._aborted_early.discard(request.request_id)
             outputs = [CompletionOutput(finish_reason="abort") for _ in range(n)]
-            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": version})
+            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self._version})
         rids = [f"{request.request_id}#{slot}" for slot in range(n)]
         self._rids[request.request_id] = rids
         try:
             results = await self.engine.async_generate(
-                input_ids=[list(request.prompt_ids)] * n, sampling_params=sglang_sampling_params(request.params),
-                return_logprob=True, rid=rids)
+                input_ids=[list(request.prompt_ids)] * n, rid=rids, return_logprob=True,
+                sampling_params=sglang_sampling_params(request.params))
         finally:
             self._rids.pop(request.request_id, None)
+        # The version now is the one that sampled every token: an update waits for running requests,
+        # and a request that waited for an update ran after `_load` set its version.
+        version = self._version
         outputs = [completion_output_from_sglang(result, version) for result in results]
         return Completion(request.request_id, outputs, {"seconds": time.perf_counter() - started,
                                                         "version": version})
@@ -195,11 +199,14 @@ class SGLangEngine:
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
         """Load trainer weights after verifying their checksum; raises `WeightSyncError`."""
         verify_weights(named_tensors, checksum)
+        self._driver.call(lambda: self._load(list(named_tensors.items()), version))
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """On the loop's thread, between runs of the loop (no request completes in between)."""
         if not self._weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
-            self._driver.call(lambda: self.engine.resume_memory_occupation(tags=["weights"]))
+            self.engine.resume_memory_occupation(tags=["weights"])
             self._weights_resident = True
-        result = self._driver.call(lambda: self.engine.update_weights_from_tensor(
-            list(named_tensors.items()), flush_cache=not self._asleep))
+        result = self.engine.update_weights_from_tensor(weights, flush_cache=not self._asleep)
         if isinstance(result, tuple) and result and not result[0]:
             raise RuntimeError(f"SGLang could not load the weights: {result[1:]}")
         self._version = version

@@ -1,6 +1,7 @@
 """`vllm` engine: the engine protocol over vLLM's asynchronous engine (V1 `AsyncLLM`), on GPUs.
 
-Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.ai, `vllm/v1/engine/async_llm.py`):
+Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.ai,
+`vllm/v1/engine/async_llm.py`):
 
 - `AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., logprobs_mode=..., enable_sleep_mode=True,
   worker_extension_cls=...))`;
@@ -128,7 +129,8 @@ def apply_request_output(outputs: list[CompletionOutput], request_output, versio
         if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
             raise RuntimeError("vLLM returned tokens without their logprobs; the request needs logprobs=0")
         out.token_ids.extend(token_ids)
-        out.logprobs.extend(float(position[token].logprob) for token, position in zip(token_ids, sample.logprobs))
+        out.logprobs.extend(float(position[token].logprob)  # the sampled token's entry of each mapping
+                            for token, position in zip(token_ids, sample.logprobs))
         out.policy_versions.extend([version] * len(token_ids))
         reason = finish_reason_from_vllm(sample.finish_reason)
         if reason is not None:
@@ -196,7 +198,8 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         started = time.perf_counter()
-        params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params),
+                                    output_kind=RequestOutputKind.DELTA)  # new tokens only, per output
         outputs = [CompletionOutput(finish_reason="abort") for _ in range(request.params.n)]
         self._submitted.discard(request.request_id)
         if request.request_id in self._aborted_early:
@@ -279,7 +282,8 @@ class VLLMWorkerExtension:
         Returns:
             How many tensors were given.
         """
-        self.model_runner.model.load_weights(weights=[(name, tensor.to(self.device)) for name, tensor in weights])
+        on_device = [(name, tensor.to(self.device)) for name, tensor in weights]
+        self.model_runner.model.load_weights(weights=on_device)
         torch.cuda.synchronize()
         return len(weights)
 

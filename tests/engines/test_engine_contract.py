@@ -37,10 +37,13 @@ class EngineCase:
 # GPU engines: small memory share and no CUDA graphs, so the tests start fast and leave room for each other.
 ENGINE_SETTINGS = {
     "hf": ({"dtype": "float32"}, 1e-4, 0.0, 40),
-    "vllm": ({"dtype": "bfloat16", "gpu_memory_utilization": 0.25, "enforce_eager": True}, 5e-2, 0.05, 200),
-    "sglang": ({"dtype": "bfloat16", "mem_fraction_static": 0.25, "disable_cuda_graph": True}, 5e-2, 0.05, 200),
+    "vllm": ({"dtype": "bfloat16", "gpu_memory_utilization": 0.25, "enforce_eager": True},
+             5e-2, 0.05, 200),
+    "sglang": ({"dtype": "bfloat16", "mem_fraction_static": 0.25, "disable_cuda_graph": True},
+               5e-2, 0.05, 200),
 }
-ENGINE_NAMES = ["hf", pytest.param("vllm", marks=pytest.mark.gpu), pytest.param("sglang", marks=pytest.mark.gpu)]
+ENGINE_NAMES = ["hf", pytest.param("vllm", marks=pytest.mark.gpu),
+                pytest.param("sglang", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,10 @@ def case(request, contract_model_dir):
         engine.close()
 
 
+def _requests(prefix: str, params: SamplingParams) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{prefix}{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
+
+
 def _generate(engine, requests: list[GenerationRequest]) -> list[Completion]:
     async def main():
         return await asyncio.gather(*[engine.generate(r) for r in requests])
@@ -87,7 +94,7 @@ def _generate(engine, requests: list[GenerationRequest]) -> list[Completion]:
 
 def test_generate_returns_n_outputs_with_aligned_tokens_logprobs_and_versions(case):
     params = SamplingParams(max_new_tokens=5, temperature=1.0, n=3)
-    completions = _generate(case.engine, [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(PROMPTS)])
+    completions = _generate(case.engine, _requests("r", params))
     assert [c.request_id for c in completions] == ["r0", "r1", "r2"]
     for completion in completions:
         assert len(completion.outputs) == 3
@@ -116,8 +123,9 @@ def test_logprobs_match_a_trainer_recomputation(case, contract_model_dir):
     trainer = TorchBackend(contract_model_dir, trainable=False, micro_batch_size=8)
     for temperature in (0.7, 0.0):
         params = SamplingParams(max_new_tokens=6, temperature=temperature, n=4 if temperature else 1)
-        completions = _generate(case.engine, [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(PROMPTS)])
-        samples = [Sample(PROMPTS[i], o.token_ids, o.logprobs) for i, c in enumerate(completions) for o in c.outputs]
+        completions = _generate(case.engine, _requests("t", params))
+        samples = [Sample(PROMPTS[i], o.token_ids, o.logprobs)
+                   for i, c in enumerate(completions) for o in c.outputs]
         batch = collate(samples, pad_token_id=0)
         recomputed = trainer.forward_logprobs(batch, temperature=temperature or 1.0)  # [B, T]
         gap = (recomputed - batch.rollout_logprobs).abs() * batch.response_mask  # [B, T]
@@ -129,14 +137,15 @@ def test_abort_resolves_a_long_request_early_and_leaves_others_running(case):
     greedy = SamplingParams(max_new_tokens=limit, temperature=0.0)
     # A prompt whose greedy continuation runs the full `limit` tokens without EOS: without the abort it
     # would finish with "length", so an early "abort" is the abort's doing.
-    full_runs = _generate(case.engine, [GenerationRequest(f"full{i}", p, greedy) for i, p in enumerate(PROMPTS)])
+    full_runs = _generate(case.engine, _requests("full", greedy))
     long_prompts = [PROMPTS[i] for i, c in enumerate(full_runs) if c.outputs[0].finish_reason == "length"]
     assert long_prompts, "no test prompt runs to the length limit under greedy decoding"
-    full = full_runs[PROMPTS.index(long_prompts[0])].outputs[0]
+    prompt = long_prompts[0]
+    full = full_runs[PROMPTS.index(prompt)].outputs[0]
 
     async def main():
-        victim = asyncio.ensure_future(case.engine.generate(GenerationRequest("victim", long_prompts[0], greedy)))
-        other = asyncio.ensure_future(case.engine.generate(GenerationRequest("other", long_prompts[0], greedy)))
+        victim = asyncio.ensure_future(case.engine.generate(GenerationRequest("victim", prompt, greedy)))
+        other = asyncio.ensure_future(case.engine.generate(GenerationRequest("other", prompt, greedy)))
         for _ in range(5):  # let the requests start decoding
             await asyncio.sleep(0)
         await asyncio.sleep(case.abort_delay_s)

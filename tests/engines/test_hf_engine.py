@@ -1,16 +1,18 @@
 import asyncio
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.cluster.weight_sync import weights_checksum
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
 from rollflow.engines.base import GenerationRequest, SamplingParams
-from rollflow.engines.hf import HFEngine
+from rollflow.engines.hf import HFEngine, cpu_decode_attention
 from rollflow.errors import WeightSyncError
 from rollflow.registry import UnknownNameError
 
@@ -34,7 +36,8 @@ def test_prefill_once_per_request_and_finished_rows_leave_the_batch(engine, rand
     row's tokens and logprobs are what the trainer recomputes (no row reads another row's KV cache)."""
     batch_sizes = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, *rest: batch_sizes.append(ids.shape[0]) or forward(ids, *rest))
+    monkeypatch.setattr(engine, "_forward",
+                        lambda ids, *rest: batch_sizes.append(ids.shape[0]) or forward(ids, *rest))
     engine.eos_ids = []  # lengths set by max_new_tokens alone
     requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=limit, temperature=0.8, n=2))
                 for i, (p, limit) in enumerate(zip(PROMPTS, (2, 3, 9)))]
@@ -43,10 +46,12 @@ def test_prefill_once_per_request_and_finished_rows_leave_the_batch(engine, rand
     # Forward calls: prefill of the 3 prompts (not 6 rows); the 6 rows after token 1; after token 2 two
     # rows finished (>= a quarter idle): 4; after token 3 two more: 2, until token 9 (no forward after it).
     assert batch_sizes == [3, 6, 4, 2, 2, 2, 2, 2, 2]
-    samples = [Sample(PROMPTS[i], o.token_ids, o.logprobs) for i, c in enumerate(completions) for o in c.outputs]
+    samples = [Sample(PROMPTS[i], o.token_ids, o.logprobs)
+               for i, c in enumerate(completions) for o in c.outputs]
     batch = collate(samples, pad_token_id=0)
     trainer = TorchBackend(random_model_dir, trainable=False, micro_batch_size=6)
-    gap = (trainer.forward_logprobs(batch, temperature=0.8) - batch.rollout_logprobs).abs() * batch.response_mask
+    recomputed = trainer.forward_logprobs(batch, temperature=0.8)  # [B, T]
+    gap = (recomputed - batch.rollout_logprobs).abs() * batch.response_mask
     assert float(gap.max()) < 1e-4
 
 
@@ -72,6 +77,22 @@ def test_update_weights_verifies_checksum_and_sets_version(engine):
     with pytest.raises(WeightSyncError):
         engine.update_weights(corrupted, version=4, checksum=weights_checksum(weights))
     assert engine.version == 3
+
+
+def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
+    """The matmul decode attention against torch's sdpa: 4 query heads on 2 KV heads, a padded row."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., :2] = False  # row 1 is left-padded by two positions
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    module = SimpleNamespace(num_key_value_groups=2)
+    for attention_mask in (mask, None):
+        if attention_mask is None:
+            expected = F.scaled_dot_product_attention(query, key, value, scale=0.3, enable_gqa=True)
+        output, weights = cpu_decode_attention(module, query, key, value, attention_mask, scaling=0.3)
+        assert weights is None and output.shape == (3, 1, 4, 8)  # [B, 1, H, D]
+        assert torch.allclose(output, expected.transpose(1, 2), atol=1e-6)
 
 
 def test_engine_registry_is_lazy_and_rejects_unknown_names(random_model_dir):

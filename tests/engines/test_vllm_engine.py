@@ -24,8 +24,8 @@ def test_sampling_kwargs_map_every_field_and_ask_for_the_sampled_tokens_logprob(
                             stop_token_ids=(5, 9), seed=11)
     assert vllm_sampling_kwargs(params) == {
         "n": 4, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0, "presence_penalty": 0.0, "max_tokens": 7, "seed": 11, "stop_token_ids": [5, 9],
-        "logprobs": 0, "detokenize": False,
+        "frequency_penalty": 0.0, "presence_penalty": 0.0, "max_tokens": 7, "seed": 11,
+        "stop_token_ids": [5, 9], "logprobs": 0, "detokenize": False,
     }
     assert vllm_sampling_kwargs(SamplingParams(top_k=20))["top_k"] == 20
     assert vllm_sampling_kwargs(SamplingParams())["seed"] is None
@@ -43,8 +43,9 @@ def _vllm_reported_logprob(logits: torch.Tensor, token: int, params: SamplingPar
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, top_k=3),
-    SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.7, top_p=0.5),
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.0, top_k=3), SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=0.7, top_p=0.5),
     SamplingParams(temperature=1.3, top_k=3, top_p=0.8),
 ])
 def test_logprob_mismatch_is_reported_exactly_when_vllm_would_report_another_quantity(params, mode):
@@ -61,15 +62,16 @@ def test_logprob_mismatch_refuses_modes_that_return_logits():
 
 
 def test_finish_reasons_map_and_unknown_ones_fail():
-    assert [finish_reason_from_vllm(r) for r in ("stop", "length", "abort", None)] == ["stop", "length", "abort", None]
+    reasons = ("stop", "length", "abort", None)
+    assert [finish_reason_from_vllm(r) for r in reasons] == ["stop", "length", "abort", None]
     with pytest.raises(RuntimeError, match="error"):
         finish_reason_from_vllm("error")
 
 
 def _delta(index, tokens, logprobs, finish=None):
     """One vLLM CompletionOutput of a DELTA stream: new token ids and one {token: Logprob} per token."""
-    return SimpleNamespace(index=index, token_ids=tokens, finish_reason=finish,
-                           logprobs=[{t: SimpleNamespace(logprob=lp) for t, lp in entry.items()} for entry in logprobs])
+    mappings = [{token: SimpleNamespace(logprob=lp) for token, lp in entry.items()} for entry in logprobs]
+    return SimpleNamespace(index=index, token_ids=tokens, finish_reason=finish, logprobs=mappings)
 
 
 def test_delta_outputs_accumulate_per_sample_with_the_version_at_arrival():
