@@ -339,8 +339,8 @@ CPU_DECODE_ATTENTION = "rollflow_cpu_decode"
 
 
 def cpu_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         **kwargs) -> tuple[torch.Tensor, None]:
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                         scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of one new token per row as matmul, softmax, matmul; anything else goes to torch's sdpa.
 
     On CPU, `scaled_dot_product_attention` with a single query token runs ~1.5-2x slower than these
@@ -356,8 +356,8 @@ def cpu_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     plain = (query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None
              and kwargs.get("s_aux") is None and (attention_mask is None or attention_mask.shape[1] == 1))
     if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, KV, G, D]
