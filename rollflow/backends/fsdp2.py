@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from rollflow.algorithms import loss_normalizer
 from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
-from rollflow.backends.torch_backend import LossFn, lr_multiplier
+from rollflow.backends.torch_backend import LossFn, lr_multiplier, move_training_state
 from rollflow.backends.value_model import WEIGHTS_FILE, ValueModel, response_values
 from rollflow.data.sample import Batch
 from rollflow.models import DTYPES, load_causal_lm, load_tokenizer
@@ -396,23 +396,15 @@ class FSDP2Backend:
         """Move this rank's parameter and optimizer-state shards to CPU (on CPU nothing moves); until
         `onload()`, training and forward calls raise RuntimeError."""
         if self.device.type == "cuda":
-            self._move("cpu")
+            move_training_state(self.model, self.optimizer, "cpu")
             torch.cuda.empty_cache()
         self.resident = False
 
     def onload(self) -> None:
         """Bring parameter and optimizer-state shards back to the device."""
         if self.device.type == "cuda":
-            self._move(self.device)
+            move_training_state(self.model, self.optimizer, self.device)
         self.resident = True
-
-    def _move(self, device: torch.device | str) -> None:
-        self.model.to(device)  # FSDPModule._apply re-registers the sharded parameters after the move
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        state[key] = value.to(device, non_blocking=True)
 
     def close(self) -> None:
         """Destroy the process group if this backend created it."""

@@ -40,6 +40,16 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                        device: torch.device | str) -> None:
+    """Move a model's parameters and its optimizer's state tensors (Adam moments) to `device`."""
+    model.to(device)  # an FSDP2 module re-registers its sharded parameters after the move
+    for state in (optimizer.state.values() if optimizer is not None else []):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
 class TorchBackend:
     """Holds the model, optimizer and LR schedule of one training worker.
 
@@ -173,22 +183,15 @@ class TorchBackend:
         """Move weights and optimizer state to host memory between phases (on CPU nothing moves); until
         `onload()`, forward and training calls raise RuntimeError."""
         if self.device.type == "cuda":
-            self._move(torch.device("cpu"))
+            move_training_state(self.model, self.optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
         self.resident = False
 
     def onload(self) -> None:
         """Bring weights and optimizer state back to the device."""
         if self.device.type == "cuda":
-            self._move(self.device)
+            move_training_state(self.model, self.optimizer, self.device)
         self.resident = True
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in (self.optimizer.state.values() if self.optimizer else []):
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device)
 
     def save(self, path: str | Path) -> None:
         """Model + tokenizer in HF format under `path` (a value model: `value_model.safetensors`), optimizer /

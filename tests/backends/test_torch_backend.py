@@ -75,3 +75,22 @@ def test_lr_schedule_warms_up_then_holds_or_decays():
     assert lr_multiplier(4, 4, 20, "cosine") == pytest.approx(1.0)
     assert lr_multiplier(12, 4, 20, "cosine") == pytest.approx(0.5)
     assert lr_multiplier(20, 4, 20, "cosine") == pytest.approx(0.0, abs=1e-12)
+
+
+def test_offload_moves_weights_and_adam_state_and_guards_use(random_model_dir):
+    from rollflow.backends.torch_backend import move_training_state
+
+    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8)
+    loss = ActorLoss(AlgorithmConfig(), temperature=1.0)
+    backend.train_step(_batch(), loss)  # Adam now holds moment tensors
+    move_training_state(backend.model, backend.optimizer, "meta")  # a device every machine has
+    assert all(p.device.type == "meta" for p in backend.model.parameters())
+    moments = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    assert moments and all(v.device.type == "meta" for v in moments)
+
+    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8)
+    backend.offload()  # on CPU nothing moves, but the backend refuses work until onload
+    with pytest.raises(RuntimeError, match="offloaded"):
+        backend.train_step(_batch(), loss)
+    backend.onload()
+    assert torch.isfinite(torch.tensor(backend.train_step(_batch(), loss)["loss"]))  # works again
