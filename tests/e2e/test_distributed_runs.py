@@ -24,7 +24,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
     from rollflow.pipelines.rlvr import run_rlvr
 
-    config = load_config("examples/quickstart.yaml", [*FAST, f"name={name}", f"output.dir={tmp_path}", *overrides])
+    overrides = [*FAST, f"name={name}", f"output.dir={tmp_path}", *overrides]
+    config = load_config("examples/quickstart.yaml", overrides)
     run_rlvr(config, manage_ray=False)
     placement = json.loads((tmp_path / name / "placement.json").read_text())
     return placement, _metrics(tmp_path / name)
@@ -44,23 +45,29 @@ def test_corrupted_weight_transfer_stops_the_run_with_a_clear_error(tmp_path):
     assert not (tmp_path / "corrupt" / "checkpoints").exists()
 
 
-def test_colocated_and_disaggregated_placements_both_train(tmp_path, ray_session):
-    # colocated, and weights go by torch broadcast (gloo) to both engines instead of the object store
-    placement, rows = _run(tmp_path, "colocated", "roles.actor_train.device_mapping=[0,1]",
+def test_colocated_fsdp2_run_resumes_disaggregated_on_one_rank(tmp_path, ray_session):
+    # colocated: 2 FSDP2 ranks and 2 engines share the 2 slots; weights go by torch broadcast (gloo)
+    placement, rows = _run(tmp_path, "run", "roles.actor_train.backend=fsdp2",
+                           "roles.actor_train.num_workers=2", "roles.actor_train.device_mapping=[0,1]",
                            "roles.actor_infer.device_mapping=[0,1]", "roles.actor_infer.num_workers=2",
                            "cluster.weight_sync_transport=broadcast")
+    assert [w["devices"] for w in placement["actor_train"]] == [[0], [1]]
     assert [w["devices"] for w in placement["actor_infer"]] == [[0], [1]]
-    assert placement["actor_train"][0]["devices"] == [0, 1]
     last = rows[-1]
     assert last["step"] == 2 and last["sync/version"] == 2
     assert last["offload/actor_train_seconds"] >= 0 and last["onload/actor_infer_seconds"] >= 0  # they swap
-    assert rows[1]["check/logprob_max_abs_diff"] < 1e-3  # both engines checked at step 1
+    assert rows[1]["check/logprob_max_abs_diff"] < 1e-3  # samples of both engines checked at step 1
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "model" / "optimizer").is_dir()  # sharded optimizer
 
-    placement, rows = _run(tmp_path, "disaggregated", "roles.actor_train.device_mapping=[0]",
-                           "roles.actor_infer.device_mapping=[1]")
+    # resume the same run disaggregated: 1 FSDP2 rank on slot 0 (the 2-rank optimizer state is resharded),
+    # the engine on slot 1, weights through the object store
+    placement, rows = _run(tmp_path, "run", "roles.actor_train.backend=fsdp2",
+                           "roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[1]",
+                           "resume=true", "train.steps=3")
     assert placement["actor_train"][0]["devices"] == [0] and placement["actor_infer"][0]["devices"] == [1]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
     last = rows[-1]
-    assert last["step"] == 2 and last["sync/version"] == 2
+    assert last["sync/version"] == 3 and "loss" in last  # continues the policy version after the checkpoint
     assert not any(key.startswith(("offload/", "onload/")) for key in last)  # nothing shares a device
 
 
