@@ -26,7 +26,7 @@ import torch
 
 from rollflow.data.prompts import PromptEncoder, load_rows
 from rollflow.engines.base import GenerationRequest, SamplingParams
-from rollflow.engines.hf import HFEngine
+from rollflow.engines.hf import HFEngine, left_pad
 from rollflow.models import load_causal_lm, load_tokenizer
 
 
@@ -58,12 +58,8 @@ def generate_run(model, prompts: list[list[int]], samples: int, tokens: int, pad
     `eos_ids=None` disables EOS so every row runs to `tokens`.
     """
     rows = [p for p in prompts for _ in range(samples)]
-    width = max(len(p) for p in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, prompt in enumerate(rows):
-        input_ids[i, width - len(prompt):] = torch.tensor(prompt)
-        attention[i, width - len(prompt):] = 1
+    input_ids, attention = left_pad(rows, pad_id, torch.device("cpu"))  # the engine's own padding
+    width = input_ids.shape[1]
     start, cpu_start = time.perf_counter(), time.process_time()
     with torch.no_grad():
         output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True,

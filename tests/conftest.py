@@ -12,18 +12,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # 2 shared cores: more OpenMP threads than our share slows small ops ~100x
 
 
-def save_random_model(path, seed: int = 0, hidden: int = 64, layers: int = 2) -> str:
-    """A random Qwen2 model with the char tokenizer, saved in HF format under `path`."""
-    from transformers import Qwen2ForCausalLM
+def save_random_model(path, seed: int = 0, hidden: int = 64, layers: int = 2,
+                      num_labels: int | None = None) -> str:
+    """A random Qwen2 model with the char tokenizer, saved in HF format under `path`: a causal LM, or with
+    `num_labels` a sequence classifier (a reward model)."""
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     from rollflow.data.char_tokenizer import build_char_tokenizer
     from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
 
     tokenizer = build_char_tokenizer()
+    labels = {} if num_labels is None else {"num_labels": num_labels}
     config = tiny_qwen2_config(tokenizer, hidden_size=hidden, num_hidden_layers=layers,
-                               intermediate_size=2 * hidden)
+                               intermediate_size=2 * hidden, **labels)
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    model_class = Qwen2ForCausalLM if num_labels is None else Qwen2ForSequenceClassification
+    model_class(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

@@ -11,7 +11,7 @@ the machine and pin their torch threads to `num_cpus`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -57,7 +57,8 @@ class WorkerGroup:
         """Split `batch` into contiguous row blocks, one per worker, call `method` on each block and
         concatenate the [b, T] results: plain data parallelism for workers with no collectives."""
         blocks = [rows for rows in torch.arange(batch.size).tensor_split(len(self.handles)) if rows.numel()]
-        refs = [getattr(handle, method).remote(batch.select(rows)) for handle, rows in zip(self.handles, blocks)]
+        refs = [getattr(handle, method).remote(batch.select(rows))
+                for handle, rows in zip(self.handles, blocks)]
         parts = ray.get(refs)
         width = max(part.shape[1] for part in parts)
         return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
@@ -81,7 +82,11 @@ class RoleWorkers:
     reference: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     placement_group: PlacementGroup | None = None
-    groups: list[WorkerGroup] = field(default_factory=list)
+
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        """The started roles' groups."""
+        return [g for g in (self.actor_train, self.actor_infer, self.reference, self.critic) if g is not None]
 
     def shutdown(self) -> None:
         """Kill every worker and release the placement group (when the Ray session outlives the run)."""
@@ -128,7 +133,9 @@ def create_role_workers(config: RunConfig) -> RoleWorkers:
 
     def start(role: str, worker_class, *args) -> WorkerGroup:
         placements = plan.workers[role]
-        handles = [_actor(worker_class, bundles, p).remote(config, p, *args) for p in placements]
+        remote_class = ray.remote(worker_class)
+        handles = [remote_class.options(**_actor_options(bundles, p)).remote(config, p, *args)
+                   for p in placements]
         return WorkerGroup(role, handles, placements)
 
     world_size = len(plan.workers["actor_train"])
@@ -136,10 +143,9 @@ def create_role_workers(config: RunConfig) -> RoleWorkers:
     actor_infer = start("actor_infer", RolloutWorker)
     reference = start("reference", ReferenceWorker) if "reference" in plan.workers else None
     critic = start("critic", CriticWorker) if "critic" in plan.workers else None
-    groups = [g for g in (actor_train, actor_infer, reference, critic) if g is not None]
-    workers = RoleWorkers(plan, actor_train, actor_infer, reference, critic, bundles, groups)
+    workers = RoleWorkers(plan, actor_train, actor_infer, reference, critic, bundles)
     try:
-        ray.get([handle.__ray_ready__.remote() for group in groups for handle in group.handles])
+        ray.get([handle.__ray_ready__.remote() for group in workers.groups for handle in group.handles])
         # Data-parallel ranks meet at rank 0's address, then build their backends together (collective).
         master_addr, master_port = ray.get(actor_train.handles[0].rendezvous_address.remote())
         ray.get(actor_train.call_async("init_backend", master_addr, master_port))
@@ -173,17 +179,18 @@ def _reserve(plan: PlacementPlan) -> PlacementGroup | None:
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise ConfigError(
-            f"could not reserve {plan.num_nodes} node(s) x {plan.devices_per_node} {resource} for the placement "
-            "plan within 60 s; free the cluster or lower cluster.num_devices") from None
+            f"could not reserve {plan.num_nodes} node(s) x {plan.devices_per_node} {resource} for the "
+            "placement plan within 60 s; free the cluster or lower cluster.num_devices") from None
     return group
 
 
-def _actor(worker_class, bundles: PlacementGroup | None, placement: WorkerPlacement):
+def _actor_options(bundles: PlacementGroup | None, placement: WorkerPlacement) -> dict[str, Any]:
+    """No Ray resources of its own; inside its node's bundle when the run is placed."""
     options: dict[str, Any] = {"num_cpus": 0}
     if bundles is not None and placement.node is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             bundles, placement_group_bundle_index=placement.node)
-    return ray.remote(worker_class).options(**options)
+    return options
 
 
 def reference_config(config: RunConfig) -> RunConfig:

@@ -164,7 +164,7 @@ class HFEngine:
 
         # One prefill per request, not per sample: the n rows of a request share their prompt's KV cache.
         prompts = [p.request.prompt_ids for p in wave]
-        input_ids, attention = _left_pad(prompts, self.pad_id, self.device)  # [R, P]
+        input_ids, attention = left_pad(prompts, self.pad_id, self.device)  # [R, P]
         positions = (attention.cumsum(1) - 1).clamp(min=0)  # [R, P]
         logits, cache = self._forward(input_ids, attention, positions, None)  # [R, V]; None: a new cache
         request_of_row = torch.tensor([i for i, p in enumerate(wave) for _ in range(p.request.params.n)],
@@ -381,7 +381,7 @@ def _use_cpu_decode_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(CPU_DECODE_ATTENTION)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Left-padded `[R, P]` input ids and attention mask."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -11,22 +11,12 @@ import torch
 
 from rollflow.rewards import RewardLoadError, ScoreError, resolve_reward
 from rollflow.rewards.reward_model import RewardModelScorer, reward_model_text
+from tests.conftest import save_random_model
 
 
 def save_reward_model(path, num_labels: int = 1, seed: int = 0) -> str:
     """A random 1-layer Qwen2 sequence classifier with the char tokenizer, saved under `path`."""
-    from transformers import Qwen2ForSequenceClassification
-
-    from rollflow.data.char_tokenizer import build_char_tokenizer
-    from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
-
-    tokenizer = build_char_tokenizer()
-    config = tiny_qwen2_config(tokenizer, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                               num_labels=num_labels)
-    torch.manual_seed(seed)
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_model(path, seed=seed, hidden=32, layers=1, num_labels=num_labels)
 
 
 @pytest.fixture(scope="module")
