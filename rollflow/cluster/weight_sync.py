@@ -140,14 +140,18 @@ def pack_bucket(bucket: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.values()])
 
 
+def layout_nbytes(dtype_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one tensor of a bucket layout entry."""
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
 def unpack_bucket(flat: torch.Tensor, layout: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
     """Inverse of `pack_bucket` given the bucket's (name, dtype, shape) layout."""
     named, offset = {}, 0
     for name, dtype_name, shape in layout:
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = layout_nbytes(dtype_name, shape)
         # a copy: a slice at an odd offset cannot be viewed as a wider dtype (alignment)
-        named[name] = flat[offset:offset + nbytes].clone().view(dtype).view(shape)
+        named[name] = flat[offset:offset + nbytes].clone().view(getattr(torch, dtype_name)).view(shape)
         offset += nbytes
     return named
 
@@ -190,8 +194,7 @@ class BroadcastGroup:
         """Receive every bucket described by `layouts` (ranks 1..N)."""
         buckets = []
         for layout in layouts:
-            nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
-                         for _, d, shape in layout)
+            nbytes = sum(layout_nbytes(dtype_name, shape) for _, dtype_name, shape in layout)
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.group.broadcast(flat, 0).wait()
             buckets.append(unpack_bucket(flat, layout))
