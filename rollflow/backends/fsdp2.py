@@ -19,7 +19,6 @@ never shard. A training step over the global batch gives the same gradient as th
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -31,12 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollflow.algorithms import loss_normalizer
-from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
-from rollflow.backends.torch_backend import LossFn, lr_multiplier, move_training_state
-from rollflow.backends.value_model import WEIGHTS_FILE, ValueModel, response_values
+from rollflow.backends.base import LossFn, TrainerSettings, TrainingBackendBase, build_model
+from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
-from rollflow.models import DTYPES, load_causal_lm, load_tokenizer
+from rollflow.models import DTYPES, load_causal_lm
 
 OPTIMIZER_DIR = "optimizer"  # sharded optimizer state (torch.distributed.checkpoint), under a checkpoint
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
@@ -120,176 +117,102 @@ def shard_model(model: torch.nn.Module, mesh, mixed_precision: dict[str, str] | 
             module.set_force_sum_reduction_for_comms(True)
 
 
-class FSDP2Backend:
+class FSDP2Backend(TrainingBackendBase):
     """One data-parallel rank's sharded model, optimizer and LR schedule.
 
-    Same arguments and methods as `TorchBackend`; every method is a collective (all ranks call it, with the
-    same full batch). The process group must be described by the environment before construction.
+    Same settings and methods as `TorchBackend`; every method is a collective (all ranks call it, with the
+    same full batch). The process group must be described by the environment before construction. A value
+    model (`value_head`, a critic) and a frozen model (`trainable=False`, a reference) shard the same way.
 
     Args:
-        model_path, dtype, lr, betas, weight_decay, warmup_steps, max_grad_norm, micro_batch_size (rows per
-            rank per pass), trainable, lr_schedule, total_steps, trust_remote_code, value_head,
-            max_response_length: as in `TorchBackend`.
-        lora: not supported by this backend yet (raises NotImplementedError when given).
+        settings: the shared `TrainerSettings`; `micro_batch_size` is rows per rank per pass; `device` is
+            "cpu", "cuda" (device LOCAL_RANK) or None for CUDA when available. `lora` is not supported by
+            this backend yet (raises NotImplementedError).
         mixed_precision: FSDP2 `MixedPrecisionPolicy` as dtype names, e.g. {"param_dtype": "bfloat16",
             "reduce_dtype": "float32"}; None computes in the parameters' dtype.
         reshard_after_forward: free each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
-        device: "cpu", "cuda" (device LOCAL_RANK) or None for CUDA when available.
 
     Attributes:
         rank, world_size: this process's place in the process group.
         resident: False between `offload()` and `onload()`.
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", lr: float = 1e-5,
-                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0, warmup_steps: int = 0,
-                 max_grad_norm: float = 1.0, micro_batch_size: int = 32, trainable: bool = True,
-                 lr_schedule: str = "constant", total_steps: int = 0,
-                 trust_remote_code: bool = False, value_head: bool = False,
-                 max_response_length: int | None = None, lora: dict | None = None,
-                 mixed_precision: dict[str, str] | None = None, reshard_after_forward: bool = True,
-                 device: str | None = None):
+    def __init__(self, settings: TrainerSettings, *, mixed_precision: dict[str, str] | None = None,
+                 reshard_after_forward: bool = True):
         from torch.distributed.device_mesh import init_device_mesh
 
-        if lora is not None:
+        if settings.lora is not None:
             raise NotImplementedError("lora is not supported by the fsdp2 backend yet; use backend: torch")
         mixed_precision_policy(mixed_precision)  # fail on a bad spec before joining the group
-        if device == "cuda" or device is None and torch.cuda.is_available():
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
+        if settings.device == "cuda" or settings.device is None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         else:
-            self.device = torch.device("cpu")
-        self.owns_process_group = join_process_group(self.device)
+            device = torch.device("cpu")
+        self.owns_process_group = join_process_group(device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-
-        self.value_head = value_head
-        if value_head:
-            self.model = ValueModel.from_pretrained(model_path, dtype, trust_remote_code)
-        else:
-            self.model = load_causal_lm(model_path, dtype, trust_remote_code)
-        self.dtype = dtype
-        if not trainable:
-            self.model.requires_grad_(False)
-        shard_model(self.model, mesh, mixed_precision, reshard_after_forward)  # moves shards to the device
-        self.forward = response_values if value_head else model_logits  # [b, T] values or [b, T, V] logits
-        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
-        self.micro_batch_size = micro_batch_size
-        self.max_response_length = max_response_length
-        self.max_grad_norm = max_grad_norm
-        self.resident = True
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler = None
-        if trainable:
-            # built AFTER sharding: the optimizer holds (and its state is shaped like) this rank's shards
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas,
-                                               weight_decay=weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, functools.partial(lr_multiplier, warmup_steps=warmup_steps,
-                                                  total_steps=total_steps, schedule=lr_schedule))
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        model = build_model(settings)
+        shard_model(model, mesh, mixed_precision, reshard_after_forward)  # moves shards to the device
+        super().__init__(settings, model, device)  # the optimizer holds this rank's shards
 
     # ---- batches --------------------------------------------------------------------------------------
-
-    def _require_resident(self, operation: str) -> None:
-        if not self.resident:
-            raise RuntimeError(f"FSDP2Backend.{operation} called while offloaded; call onload() first")
 
     def _passes(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
         """This rank's micro-batches as (micro_batch, real); the same count on every rank.
 
         Past the end of its shard a rank gets `(placeholder, False)`: the batch's first row with an all-zero
-        response mask, run only so that FSDP's collectives line up across ranks.
+        response mask, run (with zero weight in training) only so that FSDP's collectives line up across
+        ranks.
         """
+        micro_batch_size = self.settings.micro_batch_size
         rows = shard_rows(batch.size, self.world_size, self.rank)
         shard = batch.select(rows).to(self.device)
         placeholder = None
-        for index in range(passes_per_rank(batch.size, self.world_size, self.micro_batch_size)):
-            start = index * self.micro_batch_size
+        for index in range(passes_per_rank(batch.size, self.world_size, micro_batch_size)):
+            start = index * micro_batch_size
             if start < shard.size:
-                yield shard.select(slice(start, start + self.micro_batch_size)), True
+                yield shard.select(slice(start, start + micro_batch_size)), True
                 continue
             if placeholder is None:
                 placeholder = batch.select(slice(0, 1)).to(self.device)
                 placeholder.response_mask = torch.zeros_like(placeholder.response_mask)
             yield placeholder, False
 
-    def _gather_rows(self, local: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """All-gather each rank's [n_r, T] rows into the full [B, T] tensor (rank order), on CPU."""
+    def _join_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        """All-gather each rank's [n_r, T] rows into the full [B, T] tensor (rank order), on CPU, on every
+        rank."""
+        width = batch.response_width
+        local = torch.cat(parts) if parts else torch.zeros(0, width, device=self.device)  # [n_r, T]
         if self.world_size == 1:
             return local.cpu()
-        largest = math.ceil(batch_size / self.world_size)
+        largest = math.ceil(batch.size / self.world_size)
         padded = local.new_zeros((largest, *local.shape[1:]))  # equal shapes for the collective
         padded[: local.shape[0]] = local
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded)
-        rows = [shard_rows(batch_size, self.world_size, rank) for rank in range(self.world_size)]
+        rows = [shard_rows(batch.size, self.world_size, rank) for rank in range(self.world_size)]
         return torch.cat([part[: row.stop - row.start] for part, row in zip(gathered, rows, strict=True)]).cpu()
-
-    @torch.no_grad()
-    def _forward_response(self, batch: Batch, read) -> torch.Tensor:
-        """`read(micro) -> [b, T]` over this rank's shard, masked to real tokens, gathered to [B, T]."""
-        self.model.eval()
-        parts = []
-        for micro, real in self._passes(batch):
-            values = read(micro)  # [b, T]
-            if real:
-                parts.append(values * (micro.attention_mask[:, micro.prompt_length:] > 0))
-        width = batch.response_width
-        local = torch.cat(parts) if parts else torch.zeros(0, width, device=self.device)  # [n_r, T]
-        return self._gather_rows(local, batch.size)
-
-    def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        """Logprobs of the batch's response tokens (collective). Returns the full [B, T] on CPU on every
-        rank (0 where padded)."""
-        self._require_resident("forward_logprobs")
-        return self._forward_response(batch, lambda micro: token_logprobs(
-            model_logits(self.model, micro), response_tokens(micro), temperature))
-
-    def forward_values(self, batch: Batch) -> torch.Tensor:
-        """Values of the batch's response tokens (value head only; collective). Returns the full [B, T] on CPU
-        on every rank (0 where padded)."""
-        assert self.value_head, "forward_values needs value_head=True"
-        self._require_resident("forward_values")
-        return self._forward_response(batch, lambda micro: response_values(self.model, micro))
 
     # ---- training -------------------------------------------------------------------------------------
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the whole (global) batch; collective.
 
+        Each rank backpropagates its shard's share of the GLOBAL loss (normalizer from the full batch);
+        FSDP's reduce-scatter sums the gradients over ranks.
+
         Returns:
             Global metrics, identical on every rank: `loss` (the global loss, summed over ranks and
             micro-batches), the loss function's metrics averaged over the global batch weighted by trained
             tokens, `grad_norm` (global, before clipping) and `lr`.
         """
-        assert self.optimizer is not None, "train_step on a frozen backend"
-        self._require_resident("train_step")
-        self.model.train()
-        normalizer = loss_normalizer(batch.response_mask, self.max_response_length)  # global counts
-        total_tokens = max(float(batch.response_mask.sum()), 1.0)
-        sums: dict[str, float] = {}
-        local_loss = 0.0
-        for micro, real in self._passes(batch):
-            outputs = self.forward(self.model, micro)  # [b, T, V] logits, or [b, T] values
-            loss, metrics = loss_fn(outputs, micro, normalizer)
-            if not real:
-                loss = loss * 0.0  # keeps the graph (and so the reduce-scatter) but adds no gradient
-            loss.backward()
-            if not real:
-                continue
-            local_loss += float(loss.detach())
-            weight = float(micro.response_mask.sum()) / total_tokens  # token-weighted, over the GLOBAL batch
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * weight
-        loss_total, sums = self._sum_over_ranks(local_loss, sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # DTensor
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {**sums, "loss": loss_total, "grad_norm": float(grad_norm),
-                "lr": self.scheduler.get_last_lr()[0]}
+        self.require_resident("train_step")
+        local_loss, local_sums = self._accumulate_gradients(batch, self._passes(batch), loss_fn)
+        loss, metric_sums = self._sum_over_ranks(local_loss, local_sums)
+        step = self._optimizer_step()  # clips by the global norm
+        return {**metric_sums, "loss": loss, **step}
 
     def _sum_over_ranks(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
         """Sum the per-rank loss and metric sums (a key a rank lacks counts 0), in rank order so every rank
@@ -332,7 +255,7 @@ class FSDP2Backend:
         path.mkdir(parents=True, exist_ok=True)
         state = self._full_state_dict()
         if self.rank == 0:
-            if self.value_head:
+            if self.settings.value_head:
                 save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path / WEIGHTS_FILE))
             else:
                 # HF drops the tied duplicate and strips FSDP's class-name prefix from `architectures`
@@ -368,10 +291,10 @@ class FSDP2Backend:
         path = Path(path)
         state: dict[str, torch.Tensor] = {}
         if self.rank == 0:
-            if self.value_head:
+            if self.settings.value_head:
                 state = load_file(str(path / WEIGHTS_FILE))
             else:
-                state = load_causal_lm(str(path), dtype=self.dtype).state_dict()
+                state = load_causal_lm(str(path), dtype=self.settings.dtype).state_dict()
         set_model_state_dict(self.model, state, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
         if self.optimizer is not None:
@@ -390,21 +313,7 @@ class FSDP2Backend:
             torch.cuda.set_rng_state(trainer_state["cuda_rng"])
         random.setstate(trainer_state["python_rng"])
 
-    # ---- memory and lifetime --------------------------------------------------------------------------
-
-    def offload(self) -> None:
-        """Move this rank's parameter and optimizer-state shards to CPU (on CPU nothing moves); until
-        `onload()`, training and forward calls raise RuntimeError."""
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, "cpu")
-            torch.cuda.empty_cache()
-        self.resident = False
-
-    def onload(self) -> None:
-        """Bring parameter and optimizer-state shards back to the device."""
-        if self.device.type == "cuda":
-            move_training_state(self.model, self.optimizer, self.device)
-        self.resident = True
+    # ---- lifetime -------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Destroy the process group if this backend created it."""

@@ -42,3 +42,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 def response_tokens(batch: Batch) -> torch.Tensor:
     """[B, T] response token ids (padding included; mask with `response_mask`)."""
     return batch.input_ids[:, batch.prompt_length :]
+
+
+def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs of the batch's response tokens under the causal LM `model` (one forward pass).
+
+    Returns:
+        [B, T] logprobs (padding included; mask with `response_mask`).
+    """
+    return token_logprobs(model_logits(model, batch), response_tokens(batch), temperature)  # [B, T]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rollflow.backends.base import TrainerSettings
 from rollflow.backends.fsdp2 import mixed_precision_policy, passes_per_rank, shard_rows
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
@@ -65,9 +66,14 @@ def _actor_loss(aggregation: str):
     return ActorLoss(AlgorithmConfig(loss_aggregation=aggregation), temperature=1.0)
 
 
-def _settings(**overrides):
+def _critic_loss():
+    return CriticLoss("seq_mean_token_mean", None)  # the other scenarios' critic uses token_mean
+
+
+def _settings(model_dir: str, **overrides) -> TrainerSettings:
     # warm-up makes the LR differ step to step, so a scheduler that is not restored shows
-    return {"lr": LR, "micro_batch_size": MICRO_BATCH, "max_grad_norm": 1.0, "warmup_steps": 3, **overrides}
+    return TrainerSettings(model_dir, **{"lr": LR, "micro_batch_size": MICRO_BATCH, "max_grad_norm": 1.0,
+                                        "warmup_steps": 3, **overrides})
 
 
 def _free_port() -> int:
@@ -81,38 +87,57 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 shared cores
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    from rollflow.backends import create_backend
+    from rollflow.backends.base import TrainingBackend
     from rollflow.backends.fsdp2 import FSDP2Backend
 
     results, backends = {}, []
     for aggregation in AGGREGATIONS:
-        backend = FSDP2Backend(model_dir, **_settings())
+        backend = FSDP2Backend(_settings(model_dir))
         backends.append(backend)
         results[aggregation] = [(backend.train_step(_batch(rows, seed), _actor_loss(aggregation)),
                                  backend.named_weights()) for rows, seed in STEPS]
     results["logprobs"] = backend.forward_logprobs(_batch(7, 10), temperature=0.7)
 
-    reference = FSDP2Backend(model_dir, trainable=False, micro_batch_size=MICRO_BATCH)
+    reference = FSDP2Backend(TrainerSettings(model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
     results["reference_logprobs"] = reference.forward_logprobs(_batch(3, 11))
+    # the reference role on fsdp2 ranks: every batch shape of STEPS, down to an empty shard on rank 1
+    results["reference_steps"] = [reference.forward_logprobs(_batch(rows, seed), temperature=0.7)
+                                  for rows, seed in STEPS]
+    try:
+        reference.train_step(_batch(*STEPS[0]), _actor_loss("token_mean"))
+    except AssertionError as error:  # raised before any collective, on every rank
+        results["frozen_train_error"] = str(error)
+    results["reference_frozen"] = (reference.optimizer is None,
+                                   any(p.requires_grad for p in reference.model.parameters()))
+    results["reference_weights"] = reference.named_weights()
 
-    critic = FSDP2Backend(model_dir, value_head=True, **_settings())
+    critic = FSDP2Backend(_settings(model_dir, value_head=True))
     results["critic_metrics"] = critic.train_step(_critic_batch(5, 12), CriticLoss("token_mean", None))
     results["values"] = critic.forward_values(_critic_batch(5, 12))
     critic.save(Path(out_dir) / "critic")
-    restored_critic = FSDP2Backend(model_dir, value_head=True, **_settings())
+    restored_critic = FSDP2Backend(_settings(model_dir, value_head=True))
     restored_critic.load(Path(out_dir) / "critic")
     results["restored_values"] = restored_critic.forward_values(_critic_batch(5, 12))
 
-    mixed = FSDP2Backend(model_dir, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"},
-                         **_settings())
+    # the critic role on fsdp2 ranks, built the way a worker builds it; blocks stay gathered between forward
+    # and backward (reshard_after_forward=False), the path the other scenarios do not take
+    critic_role = create_backend("fsdp2", _settings(model_dir, value_head=True), reshard_after_forward=False)
+    results["implements_protocol"] = isinstance(critic_role, TrainingBackend)
+    results["critic_steps"] = [(critic_role.train_step(_critic_batch(rows, seed), _critic_loss()),
+                                critic_role.named_weights()) for rows, seed in STEPS]
+
+    mixed = FSDP2Backend(_settings(model_dir),
+                         mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
     results["mixed_precision"] = (mixed.train_step(_batch(7, 2), _actor_loss("token_mean")), mixed.named_weights())
 
     # checkpoint after step 1; a fresh backend loads it; both take steps 2 and 3
     loss = _actor_loss("token_mean")
-    uninterrupted = FSDP2Backend(model_dir, **_settings())
+    uninterrupted = FSDP2Backend(_settings(model_dir))
     uninterrupted.train_step(_batch(*STEPS[0]), loss)
     uninterrupted.save(Path(out_dir) / "checkpoint")
     results["saved_weights"] = uninterrupted.named_weights()
-    resumed = FSDP2Backend(model_dir, **_settings())
+    resumed = FSDP2Backend(_settings(model_dir))
     resumed.load(Path(out_dir) / "checkpoint")
     for name, run in (("uninterrupted", uninterrupted), ("resumed", resumed)):
         metrics = [run.train_step(_batch(*step), loss) for step in STEPS[1:3]]
@@ -127,7 +152,8 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     results["onloaded_logprobs"] = uninterrupted.forward_logprobs(_batch(3, 13))
     results["world_size"], results["rank"] = uninterrupted.world_size, uninterrupted.rank
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    for backend in [*backends, reference, critic, restored_critic, mixed, uninterrupted, resumed]:
+    for backend in [*backends, reference, critic, restored_critic, critic_role, mixed, uninterrupted,
+                    resumed]:
         backend.close()
 
 
@@ -187,7 +213,7 @@ def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregati
     rows (uneven shards, placeholder passes, an empty shard; Adam state carried between steps)."""
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(random_model_dir, **_settings())
+    single = TorchBackend(_settings(random_model_dir))
     before = {name: tensor.clone() for name, tensor in single.named_weights().items()}
     for step, (rows, seed) in enumerate(STEPS):
         expected = single.train_step(_batch(rows, seed), _actor_loss(aggregation))
@@ -204,14 +230,14 @@ def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregati
 def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_rows(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(random_model_dir, **_settings())
+    single = TorchBackend(_settings(random_model_dir))
     for rows, seed in STEPS:  # the last aggregation's run
         single.train_step(_batch(rows, seed), _actor_loss(AGGREGATIONS[-1]))
     expected = single.forward_logprobs(_batch(7, 10), temperature=0.7)  # [7, T]
     assert rank0["logprobs"].shape == expected.shape
     assert torch.allclose(rank0["logprobs"], expected, atol=1e-5)
     assert torch.equal(rank1["logprobs"], rank0["logprobs"])
-    frozen = TorchBackend(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH)
+    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
     reference = frozen.forward_logprobs(_batch(3, 11))
     assert torch.allclose(rank0["reference_logprobs"], reference, atol=1e-5)
     assert torch.equal(rank1["reference_logprobs"], rank0["reference_logprobs"])
@@ -220,7 +246,7 @@ def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_row
 def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(random_model_dir, value_head=True, **_settings())
+    single = TorchBackend(_settings(random_model_dir, value_head=True))
     batch = _critic_batch(5, 12)
     _assert_metrics_close(rank0["critic_metrics"], single.train_step(batch, CriticLoss("token_mean", None)))
     values = single.forward_values(batch)  # [5, T]
@@ -230,11 +256,48 @@ def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_
     assert torch.equal(rank0["restored_values"], rank0["values"])
 
 
+def test_critic_role_on_two_ranks_takes_the_same_value_loss_steps_as_one_process(two_ranks, random_model_dir):
+    """`roles.critic.backend: fsdp2`: a value-head backend from `create_backend` matches TorchBackend's
+    value-loss steps, metrics and weights, after each of the 8-, 7-, 5- and 1-row steps (uneven shards,
+    placeholder passes, an empty shard)."""
+    rank0, rank1, _ = two_ranks
+    assert rank0["implements_protocol"] and rank1["implements_protocol"]
+    torch.manual_seed(0)
+    single = TorchBackend(_settings(random_model_dir, value_head=True))
+    before = {name: tensor.clone() for name, tensor in single.named_weights().items()}
+    for step, (rows, seed) in enumerate(STEPS):
+        expected = single.train_step(_critic_batch(rows, seed), _critic_loss())
+        (metrics, weights), (metrics1, weights1) = rank0["critic_steps"][step], rank1["critic_steps"][step]
+        _assert_metrics_close(metrics, expected)
+        assert metrics1 == metrics  # global metrics, identical on every rank
+        assert weights1 == {}  # full weights only on rank 0
+        assert _max_diff(weights, single.named_weights()) <= WEIGHT_TOLERANCE, (step, rows)
+    assert "value_head.weight" in weights  # the head travels with the backbone
+    assert expected["critic/value_loss"] > 0
+    assert _max_diff(before, single.named_weights()) > 100 * WEIGHT_TOLERANCE
+
+
+def test_frozen_two_rank_backend_reads_like_one_process_and_refuses_to_train(two_ranks, random_model_dir):
+    """`roles.reference.backend: fsdp2`: no optimizer, no trainable weight, the initial weights, and the same
+    logprobs as a frozen TorchBackend on every batch shape (an empty shard on rank 1 for the 1-row batch)."""
+    rank0, rank1, _ = two_ranks
+    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
+    for index, (rows, seed) in enumerate(STEPS):
+        expected = frozen.forward_logprobs(_batch(rows, seed), temperature=0.7)  # [rows, T]
+        assert rank0["reference_steps"][index].shape == expected.shape
+        assert torch.allclose(rank0["reference_steps"][index], expected, atol=1e-5), rows
+        assert torch.equal(rank1["reference_steps"][index], rank0["reference_steps"][index])
+    assert rank0["reference_frozen"] == rank1["reference_frozen"] == (True, False)
+    assert "frozen" in rank0["frozen_train_error"] and "frozen" in rank1["frozen_train_error"]
+    assert _max_diff(rank0["reference_weights"], frozen.named_weights()) == 0
+    assert rank1["reference_weights"] == {}
+
+
 def test_bfloat16_compute_with_float32_reduction_trains_close_to_float32(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
-    initial = TorchBackend(random_model_dir, trainable=False).named_weights()
+    initial = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).named_weights()
     torch.manual_seed(0)
-    expected = TorchBackend(random_model_dir, **_settings()).train_step(_batch(7, 2), _actor_loss("token_mean"))
+    expected = TorchBackend(_settings(random_model_dir)).train_step(_batch(7, 2), _actor_loss("token_mean"))
     metrics, weights = rank0["mixed_precision"]
     assert rank1["mixed_precision"][0] == metrics
     # first step from the sampling policy: ratio == 1, so the loss is -sum(A * m) / N in any precision
@@ -288,9 +351,10 @@ def test_world_size_one_in_process_and_bfloat16_compute(random_model_dir, monkey
                             MASTER_PORT=str(_free_port())).items():
         monkeypatch.setenv(name, value)
     loss = _actor_loss("seq_mean_token_sum_norm")
-    backend = FSDP2Backend(random_model_dir, max_response_length=8, **_settings())
+    backend = FSDP2Backend(_settings(random_model_dir, max_response_length=8))
     try:
-        half = FSDP2Backend(random_model_dir, trainable=False, mixed_precision={"param_dtype": "bfloat16"})
+        half = FSDP2Backend(TrainerSettings(random_model_dir, trainable=False),
+                            mixed_precision={"param_dtype": "bfloat16"})
         metrics = backend.train_step(_batch(5, 20), loss)
         batch = _batch(4, 21)
         weights = backend.named_weights()
@@ -299,9 +363,9 @@ def test_world_size_one_in_process_and_bfloat16_compute(random_model_dir, monkey
         backend.close()
     assert not torch.distributed.is_initialized()
     torch.manual_seed(0)
-    single = TorchBackend(random_model_dir, max_response_length=8, **_settings())
+    single = TorchBackend(_settings(random_model_dir, max_response_length=8))
     _assert_metrics_close(metrics, single.train_step(_batch(5, 20), loss))
     assert _max_diff(weights, single.named_weights()) <= WEIGHT_TOLERANCE
-    full = TorchBackend(random_model_dir, trainable=False).forward_logprobs(batch)
+    full = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).forward_logprobs(batch)
     gap = float((half_logprobs - full).abs().max())
     assert 1e-4 < gap < 0.1  # bfloat16 rounding: visible, but small

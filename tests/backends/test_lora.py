@@ -6,6 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rollflow.backends.base import TrainerSettings
 from rollflow.backends.logprobs import model_logits
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
@@ -31,7 +32,7 @@ def _loss():
 def _trained(model_dir, lora=LORA, steps=1, **kwargs):
     """A LoRA backend after `steps` optimizer steps (LoRA's B starts at 0: one step makes the adapters act)."""
     torch.manual_seed(0)
-    backend = TorchBackend(model_dir, lr=1e-2, micro_batch_size=8, lora=lora, **kwargs)
+    backend = TorchBackend(TrainerSettings(model_dir, lr=1e-2, micro_batch_size=8, lora=lora, **kwargs))
     for _ in range(steps):
         backend.train_step(_batch(), _loss())
     return backend
@@ -70,7 +71,8 @@ def test_only_adapters_train_and_the_base_weights_stay_frozen(random_model_dir):
 
 
 def test_target_modules_list_puts_adapters_only_there(random_model_dir):
-    backend = TorchBackend(random_model_dir, lora={"rank": 2, "target_modules": ["q_proj", "v_proj"]})
+    lora = {"rank": 2, "target_modules": ["q_proj", "v_proj"]}
+    backend = TorchBackend(TrainerSettings(random_model_dir, lora=lora))
     adapted = {name.split(".lora_")[0].rsplit(".", 1)[1]
                for name, p in backend.model.named_parameters() if p.requires_grad}
     assert adapted == {"q_proj", "v_proj"}
@@ -78,9 +80,9 @@ def test_target_modules_list_puts_adapters_only_there(random_model_dir):
 
 def test_misspelled_lora_setting_is_an_error_naming_it(random_model_dir):
     with pytest.raises(ValidationError, match="rnak"):
-        TorchBackend(random_model_dir, lora={"rnak": 4})
+        TorchBackend(TrainerSettings(random_model_dir, lora={"rnak": 4}))
     with pytest.raises(ValueError, match="lora needs a trainable causal LM"):
-        TorchBackend(random_model_dir, lora=LORA, value_head=True)
+        TorchBackend(TrainerSettings(random_model_dir, lora=LORA, value_head=True))
 
 
 def test_merged_weight_is_w_plus_scale_b_a(random_model_dir):
@@ -112,7 +114,7 @@ def test_named_weights_are_the_plain_models_names_and_give_the_peft_logits(rando
 def test_reference_logprobs_are_the_base_models(random_model_dir):
     backend = _trained(random_model_dir, steps=2)
     batch = _batch()
-    base = TorchBackend(random_model_dir, trainable=False, micro_batch_size=8)
+    base = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=8))
     expected = base.forward_logprobs(batch, temperature=0.7)  # [B, T]
     reference = backend.forward_reference_logprobs(batch, temperature=0.7)
     assert torch.allclose(reference, expected, atol=1e-6)
@@ -128,9 +130,10 @@ def test_worker_reference_logprobs_use_the_backends_adapters_off_model(random_mo
     from rollflow.workers.actor_train import ActorTrainWorker
 
     config = load_config(None, [f"model.path={random_model_dir}", "rollout.temperature=0.7"])
-    worker = ActorTrainWorker(config, WorkerPlacement("actor_train", 0, (), None, (), threads=1))
+    worker = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1), config, "policy_gradient")
     worker.backend = _trained(random_model_dir)  # instead of init_backend: this LoRA backend
-    expected = TorchBackend(random_model_dir, trainable=False).forward_logprobs(_batch(), temperature=0.7)
+    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False))
+    expected = frozen.forward_logprobs(_batch(), temperature=0.7)
     assert torch.allclose(worker.compute_reference_logprobs(_batch()), expected, atol=1e-6)
 
 
@@ -160,7 +163,8 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
     backend = _trained(random_model_dir, lora=lora, steps=2, warmup_steps=4)
     backend.save(tmp_path / "ckpt")
     rng_at_save = torch.get_rng_state()  # one process holds both runs: each must draw from this state
-    restored = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora, warmup_steps=4)
+    restored = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora,
+                                            warmup_steps=4))
     torch.manual_seed(123)
     restored.load(tmp_path / "ckpt")
     assert torch.equal(torch.get_rng_state(), rng_at_save)
@@ -170,7 +174,8 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
     backend.train_step(_batch(), _loss())
     a, b = dict(backend.model.named_parameters()), dict(restored.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in a)
-    fresh = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora, warmup_steps=4)
+    fresh = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora,
+                                         warmup_steps=4))
     fresh.train_step(_batch(), _loss())  # without load: different adapters, so the check above has teeth
     c = dict(fresh.model.named_parameters())
     assert not all(torch.equal(a[n], c[n]) for n in a)
@@ -178,6 +183,6 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
 
 def test_load_rejects_adapters_of_another_shape(random_model_dir, tmp_path):
     _trained(random_model_dir).save(tmp_path / "ckpt")
-    other = TorchBackend(random_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]})
+    other = TorchBackend(TrainerSettings(random_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]}))
     with pytest.raises(ValueError, match="does not match"):
         other.load(tmp_path / "ckpt")

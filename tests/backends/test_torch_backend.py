@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
 from rollflow.data.sample import Sample, collate
@@ -18,14 +19,14 @@ def _batch():
 
 def _trained_weights(model_dir, micro_batch_size, aggregation):
     torch.manual_seed(0)
-    backend = TorchBackend(model_dir, lr=1e-2, micro_batch_size=micro_batch_size)
+    backend = TorchBackend(TrainerSettings(model_dir, lr=1e-2, micro_batch_size=micro_batch_size))
     loss = ActorLoss(AlgorithmConfig(loss_aggregation=aggregation), temperature=1.0)
     metrics = backend.train_step(_batch(), loss)
     return backend.named_weights(), metrics
 
 
 def test_train_step_changes_weights_and_reports_finite_metrics(random_model_dir):
-    before = TorchBackend(random_model_dir, trainable=False).named_weights()
+    before = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).named_weights()
     after, metrics = _trained_weights(random_model_dir, 8, "token_mean")
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
@@ -33,7 +34,8 @@ def test_train_step_changes_weights_and_reports_finite_metrics(random_model_dir)
 
 
 def _accumulated_gradients(model_dir, micro_batch_size, aggregation):
-    backend = TorchBackend(model_dir, lr=1e-2, micro_batch_size=micro_batch_size, max_grad_norm=1e9)
+    backend = TorchBackend(TrainerSettings(model_dir, lr=1e-2, micro_batch_size=micro_batch_size,
+                                           max_grad_norm=1e9))
     backend.optimizer.step = lambda: None  # keep the accumulated gradient for inspection
     backend.optimizer.zero_grad = lambda set_to_none=True: None
     backend.train_step(_batch(), ActorLoss(AlgorithmConfig(loss_aggregation=aggregation), temperature=1.0))
@@ -52,12 +54,12 @@ def test_micro_batching_does_not_change_the_gradient(random_model_dir):
 
 
 def test_save_and_load_restore_weights_and_optimizer(random_model_dir, tmp_path):
-    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8)
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8))
     loss = ActorLoss(AlgorithmConfig(), temperature=1.0)
     backend.train_step(_batch(), loss)
     backend.save(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
-    restored = TorchBackend(str(tmp_path / "ckpt"), lr=1e-2, micro_batch_size=8)
+    restored = TorchBackend(TrainerSettings(str(tmp_path / "ckpt"), lr=1e-2, micro_batch_size=8))
     restored.load(tmp_path / "ckpt")
     backend.train_step(_batch(), loss)  # the same next step from both must land on the same weights
     restored.train_step(_batch(), loss)
@@ -66,7 +68,7 @@ def test_save_and_load_restore_weights_and_optimizer(random_model_dir, tmp_path)
 
 
 def test_lr_schedule_warms_up_then_holds_or_decays():
-    from rollflow.backends.torch_backend import lr_multiplier
+    from rollflow.backends.base import lr_multiplier
 
     # warm-up over 4 steps: 1/4, 2/4, 3/4, 4/4
     assert [lr_multiplier(s, 4, 20, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
@@ -78,9 +80,9 @@ def test_lr_schedule_warms_up_then_holds_or_decays():
 
 
 def test_offload_moves_weights_and_adam_state_and_guards_use(random_model_dir):
-    from rollflow.backends.torch_backend import move_training_state
+    from rollflow.backends.base import move_training_state
 
-    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8)
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8))
     loss = ActorLoss(AlgorithmConfig(), temperature=1.0)
     backend.train_step(_batch(), loss)  # Adam now holds moment tensors
     move_training_state(backend.model, backend.optimizer, "meta")  # a device every machine has
@@ -88,7 +90,7 @@ def test_offload_moves_weights_and_adam_state_and_guards_use(random_model_dir):
     moments = [v for state in backend.optimizer.state.values() for v in state.values() if v.dim() > 0]
     assert moments and all(v.device.type == "meta" for v in moments)
 
-    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=8)
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8))
     backend.offload()  # on CPU nothing moves, but the backend refuses work until onload
     with pytest.raises(RuntimeError, match="offloaded"):
         backend.train_step(_batch(), loss)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rollflow.algorithms import loss_normalizer
+from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.backends.value_model import ValueModel, response_values
 from rollflow.data.sample import Sample, collate
@@ -43,7 +44,7 @@ def test_value_of_token_t_is_read_before_token_t(random_model_dir):
 
 def test_value_backend_starts_at_zero_learns_and_round_trips(random_model_dir, tmp_path):
     torch.manual_seed(0)
-    backend = TorchBackend(random_model_dir, lr=1e-2, micro_batch_size=1, value_head=True)
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=1, value_head=True))
     batch = collate(_samples(), pad_token_id=0)
     values = backend.forward_values(batch)  # [2, 3]
     assert torch.all(values == 0)  # zero-initialized head
@@ -55,6 +56,6 @@ def test_value_backend_starts_at_zero_learns_and_round_trips(random_model_dir, t
     trained = backend.forward_values(batch)
     assert trained[1, 2] == 0  # padding
     backend.save(tmp_path / "critic")
-    restored = TorchBackend(random_model_dir, micro_batch_size=1, value_head=True)
+    restored = TorchBackend(TrainerSettings(random_model_dir, micro_batch_size=1, value_head=True))
     restored.load(tmp_path / "critic")
     assert torch.equal(restored.forward_values(batch), trained)

@@ -1,0 +1,357 @@
+"""What every training backend shares: the `TrainingBackend` protocol the workers program against,
+`TrainerSettings` (the constructor fields every backend takes), and one implementation of the setup and
+bookkeeping the backends would otherwise repeat.
+
+* `build_model(settings)`: the causal LM or `ValueModel`, LoRA-wrapped or frozen as the settings say.
+* `build_optimizer(model, settings)`: AdamW over what trains + the `lr_multiplier` schedule.
+* `TrainingBackendBase`: the one base class of the backends (one level of inheritance). It holds the
+  settings, model, optimizer, scheduler and tokenizer, and implements offload / onload with the resident
+  guard, the forward passes, the micro-batch loop with token-weighted metric averaging, and the optimizer
+  step. A backend supplies where the model lives (its constructor), how a batch becomes passes (`_passes`),
+  how per-pass rows come back (`_join_rows`), `train_step`, weights export and checkpoints.
+
+The config module imports this one (for `SETTINGS_FIELDS`), so at module level it imports only the standard
+library and torch; the rest of rollflow, transformers and peft are imported inside the functions that use
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from rollflow.algorithms import LossNormalizer
+    from rollflow.data.sample import Batch
+
+# `loss_fn(outputs, micro_batch, normalizer) -> (loss, metrics)`: outputs are [b, T, V] logits (a causal LM)
+# or [b, T] values (a value model); `loss` is the micro-batch's contribution to the loss of the whole batch
+# (see `rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on how it was split.
+LossFn = Callable[[torch.Tensor, "Batch", "LossNormalizer"], tuple[torch.Tensor, dict[str, float]]]
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """What a worker may call on a training backend (`TorchBackend`, `FSDP2Backend`).
+
+    Batches are full `Batch`es (B rows, T response columns); results come back on CPU. Under a data-parallel
+    backend every call is a collective: all ranks make it, with the same full batch.
+
+    Attributes:
+        resident: False between `offload()` and `onload()`; forward and training calls raise then.
+    """
+
+    resident: bool
+
+    def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Returns [B, T] logprobs of the response tokens (0 where padded)."""
+        ...
+
+    def forward_values(self, batch: Batch) -> torch.Tensor:
+        """Returns [B, T] values of the response tokens (value head only; 0 where padded)."""
+        ...
+
+    def forward_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Returns [B, T] logprobs under the base model with the LoRA adapters off (LoRA only)."""
+        ...
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the whole batch. Returns metrics: the loss function's, `loss`,
+        `grad_norm`, `lr`."""
+        ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights by HF parameter name, on CPU, for weight sync."""
+        ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
+
+    def save(self, path: str | Path) -> None: ...
+
+    def load(self, path: str | Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """The settings every training backend takes; backend-specific knobs are keyword arguments of the
+    backend class (`backend_kwargs` in the config).
+
+    Args:
+        model_path: bundled name, local HF directory or hub id.
+        dtype: parameter dtype ("float32" on CPU).
+        lr, betas, weight_decay: AdamW settings.
+        warmup_steps: linear LR warm-up over this many optimizer steps.
+        max_grad_norm: gradient clipping (global norm).
+        micro_batch_size: rows per forward/backward pass (per rank under a data-parallel backend).
+        trainable: False for a frozen model (a reference): every weight frozen, no optimizer.
+        lr_schedule: after warm-up, "constant" or "cosine" (to 0 at `total_steps`).
+        total_steps: optimizer steps in the run (for the cosine schedule).
+        trust_remote_code: passed to the HF loaders.
+        value_head: hold a `ValueModel` (backbone + scalar head) instead of the causal LM, for a critic.
+        max_response_length: the constant L of `seq_mean_token_sum_norm` (the generation limit); None uses
+            each batch's padded response width.
+        lora: `rollflow.config.LoraConfig` fields (rank, alpha, dropout, target_modules) to train LoRA
+            adapters instead of all weights (validated when the model is built); None trains every weight.
+        device: "cpu", "cuda", or None for CUDA when available. Inputs move to it per micro-batch.
+    """
+
+    model_path: str
+    dtype: str = "float32"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 32
+    trainable: bool = True
+    lr_schedule: str = "constant"
+    total_steps: int = 0
+    trust_remote_code: bool = False
+    value_head: bool = False
+    max_response_length: int | None = None
+    lora: dict[str, Any] | None = None
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.lora is not None and (self.value_head or not self.trainable):
+            raise ValueError("lora needs a trainable causal LM (not value_head=True or trainable=False)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+
+
+# The config rejects `backend_kwargs` that repeat one of these: they come from typed config keys.
+SETTINGS_FIELDS = frozenset(field.name for field in dataclasses.fields(TrainerSettings))
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """LR factor at optimizer step `step` (0-based): linear warm-up, then constant or cosine to 0."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                        device: torch.device | str) -> None:
+    """Move a model's parameters and its optimizer's state tensors (Adam moments) to `device`."""
+    model.to(device)  # an FSDP2 module re-registers its sharded parameters after the move
+    for state in (optimizer.state.values() if optimizer is not None else []):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+def build_model(settings: TrainerSettings) -> torch.nn.Module:
+    """The model `settings` describe, on CPU, not yet placed (a backend moves or shards it).
+
+    Returns:
+        The causal LM, or a `ValueModel` with `value_head`; wrapped with PEFT LoRA adapters (base weights
+        frozen) with `lora`; every weight frozen when not `trainable`.
+    """
+    from rollflow.backends.value_model import ValueModel
+    from rollflow.models import load_causal_lm
+
+    if settings.value_head:
+        model = ValueModel.from_pretrained(settings.model_path, settings.dtype, settings.trust_remote_code)
+    else:
+        model = load_causal_lm(settings.model_path, settings.dtype, settings.trust_remote_code)
+    if settings.lora is not None:
+        from rollflow.backends.lora import wrap_with_lora
+
+        model = wrap_with_lora(model, settings.lora)
+    if not settings.trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, settings: TrainerSettings
+                    ) -> tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None]:
+    """AdamW over the parameters of `model` that train (all weights, or just the LoRA adapters) and its LR
+    schedule (warm-up, then constant or cosine: `lr_multiplier`).
+
+    Build it after the model is placed: the optimizer holds, and shapes its state like, those parameters
+    (this rank's shards under FSDP2).
+
+    Returns:
+        (optimizer, scheduler), or (None, None) when not `settings.trainable`.
+    """
+    if not settings.trainable:
+        return None, None
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=settings.lr, betas=settings.betas,
+                                  weight_decay=settings.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_multiplier, warmup_steps=settings.warmup_steps, total_steps=settings.total_steps,
+        schedule=settings.lr_schedule))
+    return optimizer, scheduler
+
+
+class TrainingBackendBase:
+    """State and bookkeeping shared by the training backends; each backend extends this class once.
+
+    A backend's constructor builds the model (`build_model`), places it (moves or shards it) and then calls
+    `super().__init__`, which builds the optimizer over the placed parameters and loads the tokenizer.
+
+    Args:
+        settings: the shared settings.
+        model: the placed model.
+        device: where inputs go (the model's device).
+
+    Attributes:
+        settings, model, device, tokenizer: as given / loaded.
+        optimizer, scheduler: AdamW and its LambdaLR; None when frozen.
+        forward: `(model, micro_batch) -> [b, T, V] logits`, or `[b, T] values` for a value model.
+        resident: False between `offload()` and `onload()`.
+    """
+
+    def __init__(self, settings: TrainerSettings, model: torch.nn.Module, device: torch.device):
+        from rollflow.backends.logprobs import model_logits
+        from rollflow.backends.value_model import response_values
+        from rollflow.models import load_tokenizer
+
+        self.settings = settings
+        self.model = model
+        self.device = device
+        self.forward = response_values if settings.value_head else model_logits
+        self.optimizer, self.scheduler = build_optimizer(model, settings)
+        self.tokenizer = load_tokenizer(settings.model_path, settings.trust_remote_code)
+        self.resident = True
+
+    # ---- what each backend supplies -------------------------------------------------------------------
+
+    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
+        """The forward/backward passes over `batch` as (micro_batch on the device, real). A pass that is not
+        real is run (a data-parallel rank's collectives must line up) but contributes nothing."""
+        raise NotImplementedError
+
+    def _join_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The [B, T] result on CPU from the [b, T] results of the real passes, in order."""
+        raise NotImplementedError
+
+    # ---- residency ------------------------------------------------------------------------------------
+
+    def require_resident(self, operation: str) -> None:
+        """Raise RuntimeError when offloaded (before any collective, so every rank raises alike)."""
+        if not self.resident:
+            raise RuntimeError(
+                f"{type(self).__name__}.{operation} called while offloaded; call onload() first")
+
+    def offload(self) -> None:
+        """Move weights and optimizer state (this rank's shards under FSDP2) to host memory between phases;
+        on CPU nothing moves. Until `onload()`, forward and training calls raise RuntimeError."""
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, "cpu")
+            torch.cuda.empty_cache()
+        self.resident = False
+
+    def onload(self) -> None:
+        """Bring weights and optimizer state back to the device."""
+        if self.device.type == "cuda":
+            move_training_state(self.model, self.optimizer, self.device)
+        self.resident = True
+
+    def close(self) -> None:
+        """Release what the backend holds outside its own objects; nothing, unless a backend overrides it."""
+
+    # ---- forward --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _forward_response(self, batch: Batch, read: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+        """`read(micro) -> [b, T]` on every pass. Returns the real passes' rows (0 on padding) joined into
+        [B, T] on CPU."""
+        self.model.eval()
+        parts = []
+        for micro, real in self._passes(batch):
+            values = read(micro)  # [b, T]; run on placeholder passes too, for the collectives
+            if real:
+                parts.append(values * (micro.attention_mask[:, micro.prompt_length:] > 0))  # 0 on padding
+        return self._join_rows(parts, batch)
+
+    def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Logprobs of the batch's response tokens. Returns [B, T] on CPU (0 where padded)."""
+        from rollflow.backends.logprobs import response_logprobs
+
+        self.require_resident("forward_logprobs")
+        return self._forward_response(batch, lambda micro: response_logprobs(self.model, micro, temperature))
+
+    def forward_values(self, batch: Batch) -> torch.Tensor:
+        """Values of the batch's response tokens (value head only). Returns [B, T] on CPU (0 where padded)."""
+        from rollflow.backends.value_model import response_values
+
+        assert self.settings.value_head, "forward_values needs value_head=True"
+        self.require_resident("forward_values")
+        return self._forward_response(batch, lambda micro: response_values(self.model, micro))
+
+    def forward_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Logprobs under the reference policy: the base model with the LoRA adapters disabled (no second
+        copy of the model). Returns [B, T] on CPU (0 where padded).
+        """
+        if self.settings.lora is None:
+            raise RuntimeError("forward_reference_logprobs needs lora: without adapters the trained weights "
+                               "are the policy, so the reference is a separate frozen model")
+        with self.model.disable_adapter():
+            return self.forward_logprobs(batch, temperature)
+
+    # ---- training -------------------------------------------------------------------------------------
+
+    def _accumulate_gradients(self, batch: Batch, passes: Iterator[tuple[Batch, bool]],
+                              loss_fn: LossFn) -> tuple[float, dict[str, float]]:
+        """Forward and backward every pass, adding up the gradient of the loss of the whole `batch`.
+
+        The loss normalizer (token / sequence counts) and the metric weights come from the FULL batch, so
+        passes over any part of it (a micro-batch, a rank's shard) add up to the whole batch's numbers.
+
+        Returns:
+            (the sum of the real passes' losses, their metrics weighted by trained tokens / the batch's
+            trained tokens); over all passes of all ranks these add up to the batch's loss and metrics.
+        """
+        from rollflow.algorithms import loss_normalizer
+
+        assert self.optimizer is not None, "train_step on a frozen backend"
+        self.model.train()
+        normalizer = loss_normalizer(batch.response_mask, self.settings.max_response_length)
+        total_tokens = max(float(batch.response_mask.sum()), 1.0)
+        loss_sum, metric_sums = 0.0, {}
+        for micro, real in passes:
+            outputs = self.forward(self.model, micro)  # [b, T, V] logits, or [b, T] values
+            loss, metrics = loss_fn(outputs, micro, normalizer)
+            if not real:
+                loss = loss * 0.0  # keeps the graph (and so a rank's collectives) but adds no gradient
+            loss.backward()
+            if not real:
+                continue
+            loss_sum += float(loss.detach())
+            weight = float(micro.response_mask.sum()) / total_tokens  # token-weighted metric average
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * weight
+        return loss_sum, metric_sums
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip the accumulated gradient by its global norm, step AdamW and the LR schedule, clear it.
+
+        Returns:
+            {"grad_norm": the global norm before clipping, "lr": the LR of the next step}.
+        """
+        # clip exactly what the optimizer steps (all weights, or just the LoRA adapters)
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.settings.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: already reduced over ranks
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0]}
