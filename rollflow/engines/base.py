@@ -55,17 +55,37 @@ class Completion:
 
 
 class InferenceEngine(Protocol):
-    """What a rollout worker needs from an engine."""
+    """What a rollout worker needs from an engine.
 
-    async def generate(self, request: GenerationRequest) -> Completion: ...
+    Engines load weights they are handed and know nothing of how they travelled: the rollout worker
+    verifies each bucket's checksum as it arrives, before the tensors reach `update_weights`.
+    """
 
-    def abort(self, request_ids: list[str]) -> None: ...
+    async def generate(self, request: GenerationRequest) -> Completion:
+        """Sample `request.params.n` completions; RuntimeError while asleep or after `close()`."""
+        ...
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None: ...
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests; they resolve with what was generated so far (`abort`)."""
+        ...
 
-    def sleep(self) -> None: ...
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load these (already verified) weights, by HF parameter name; later tokens carry `version`."""
+        ...
 
-    def wake(self) -> None: ...
+    def sleep(self) -> None:
+        """Free accelerator memory between rollout phases (idempotent)."""
+        ...
+
+    def wake(self) -> None:
+        """Undo `sleep()` (idempotent)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine for good (idempotent): pending requests resolve or fail, none keeps waiting."""
+        ...
 
     @property
-    def version(self) -> int: ...
+    def version(self) -> int:
+        """Policy version of the loaded weights."""
+        ...

@@ -6,6 +6,9 @@ token-by-token decode loop that yields to the event loop between tokens, so `abo
 calls are served while a wave runs. A request's future resolves as
 soon as all of its sequences finish, while the rest of the wave keeps decoding, so its rewards can be
 computed early. Requests that arrive during a wave join the next one.
+
+The engine runs on the caller's event loop (no thread of its own): call every method from that loop's
+thread.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rollflow.cluster.weight_sync import verify_weights
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -28,10 +30,11 @@ from rollflow.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
+from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the engine keeps a set of them
 class _Pending:
     request: GenerationRequest
     future: asyncio.Future
@@ -62,24 +65,24 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._version = 0
+        self._lifecycle = EngineLifecycle()
         self._queue: deque[_Pending] = deque()
+        self._unresolved: set[_Pending] = set()  # queued or in a wave; what close() must resolve
         self._aborted: set[str] = set()
         self._runner: asyncio.Task | None = None
-        self._asleep = False
         self.stats = {"tokens": 0, "waves": 0, "decode_seconds": 0.0}
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._lifecycle.version
 
     # ---- protocol ------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt."""
-        if self._asleep:
-            raise RuntimeError("engine is asleep; call wake() before generate()")
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        self._lifecycle.check_can_generate()
         pending = _Pending(request, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
+        self._unresolved.add(pending)
         if self._runner is None or self._runner.done():
             self._runner = asyncio.get_running_loop().create_task(self._run())
         return await pending.future
@@ -92,9 +95,9 @@ class HFEngine:
             outputs = [CompletionOutput(finish_reason="abort") for _ in range(pending.request.params.n)]
             self._resolve(pending, outputs)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
-        """Load trainer weights in place after verifying their checksum; raises `WeightSyncError`."""
-        verify_weights(named_tensors, checksum)
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load trainer weights in place; KeyError, before any is loaded, for names the model lacks."""
+        self._lifecycle.check_open()
         params = dict(self.model.named_parameters())
         unknown = sorted(set(named_tensors) - set(params))
         if unknown:
@@ -102,18 +105,40 @@ class HFEngine:
         with torch.no_grad():
             for name, tensor in named_tensors.items():
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-        self._version = version
+        self._lifecycle.version = version
 
     def sleep(self) -> None:
         """Release memory between rollout phases (moves weights to CPU on an accelerator)."""
-        self._asleep = True
-        if self.device.type != "cpu":
-            self.model.to("cpu")
+        on_accelerator = self.device.type != "cpu"
+        self._lifecycle.sleep(lambda: self.model.to("cpu") if on_accelerator else None,
+                              weights_released=on_accelerator)
 
     def wake(self) -> None:
-        if self.device.type != "cpu":
-            self.model.to(self.device)
-        self._asleep = False
+        """Undo `sleep()` (weights back on the accelerator)."""
+        self._lifecycle.wake(lambda: self.model.to(self.device) if self.device.type != "cpu" else None)
+
+    def close(self) -> None:
+        """Stop decoding, resolve every unfinished request and drop the model (idempotent).
+
+        Each unfinished request resolves at once: samples that already finished keep their output, the
+        others end "abort" with no tokens (tokens of a running wave are not copied out of its buffers).
+        Later `generate` / `update_weights` / `sleep` / `wake` calls raise RuntimeError.
+        """
+        if not self._lifecycle.close():
+            return
+        if self._runner is not None and not self._runner.done() and not self._runner.get_loop().is_closed():
+            self._runner.cancel()  # it stops at its next await, before touching the model again
+        for pending in list(self._unresolved):
+            if pending.future.get_loop().is_closed():  # its loop is gone, and whoever awaited it with it
+                continue
+            # In a wave, `outputs` holds finished samples and "abort" placeholders; queued, it is empty.
+            outputs = pending.outputs or [CompletionOutput(finish_reason="abort")
+                                          for _ in range(pending.request.params.n)]
+            self._resolve(pending, outputs)
+        self._unresolved.clear()
+        self._queue.clear()
+        self._aborted.clear()
+        self.model = None
 
     # ---- decoding ------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -142,8 +167,10 @@ class HFEngine:
 
     def _resolve(self, pending: _Pending, outputs: list[CompletionOutput]) -> None:
         self._aborted.discard(pending.request.request_id)
+        self._unresolved.discard(pending)
         if not pending.future.done():
-            metadata = {"seconds": time.perf_counter() - pending.submitted, "version": self._version}
+            metadata = {"seconds": time.perf_counter() - pending.submitted,
+                        "version": self._lifecycle.version}
             pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
 
     async def _decode_wave(self, wave: list[_Pending]) -> None:
@@ -158,7 +185,10 @@ class HFEngine:
         rows = [_Row(pending, slot, self._row_generator(pending.request.params, slot))
                 for pending in wave for slot in range(pending.request.params.n)]
         for pending in wave:
-            pending.outputs = [CompletionOutput() for _ in range(pending.request.params.n)]
+            # "abort" until the sample finishes (`_finish_row` sets the reason), so close() can resolve
+            # a request mid-wave with the right reason on every sample.
+            pending.outputs = [CompletionOutput(finish_reason="abort")
+                               for _ in range(pending.request.params.n)]
             pending.unfinished = pending.request.params.n
         state = _WaveState.build(rows, self.eos_ids, self.device)
 
@@ -181,7 +211,7 @@ class HFEngine:
             if not active_rows:
                 break
             tokens, logprobs = self._sample(logits, state)  # [B], [B]
-            state.versions.append(self._version)
+            state.versions.append(self._lifecycle.version)
             state.tokens[state.origin, step] = tokens
             state.logprobs[state.origin, step] = logprobs
             step += 1

@@ -25,8 +25,9 @@ cannot know up front).
 
 Threading. `sglang.Engine`'s synchronous methods run `self.loop.run_until_complete(...)` on the event loop
 it was created with, and its async methods must run on that same loop. The engine is therefore created
-in a private thread that drives that loop: it serves `async_generate` calls until a synchronous call
-arrives, then makes that call (whose `run_until_complete` keeps in-flight generations running).
+by a `LoopThread` (`loop_thread.py`) in a private thread that drives that loop: it serves
+`async_generate` calls until a synchronous call arrives, then makes that call (whose `run_until_complete`
+keeps in-flight generations running).
 
 Policy versions: SGLang's weight update takes its model-update writer lock, which waits for running
 requests and holds new ones back, so a request never spans an update; its tokens carry the version
@@ -37,16 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from rollflow.cluster.weight_sync import verify_weights
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -54,6 +50,8 @@ from rollflow.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
+from rollflow.engines.lifecycle import EngineLifecycle
+from rollflow.engines.loop_thread import LoopThread
 from rollflow.models import resolve_model_path
 
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -140,27 +138,25 @@ class SGLangEngine:
             raise ValueError(f"unset {ORIGINAL_LOGPROB_ENV}: it makes SGLang report logprobs before "
                              "temperature, not the ones the trainer recomputes")
         settings = {"skip_tokenizer_init": True, "enable_memory_saver": True, **engine_kwargs}
-        self._driver = _EngineLoopThread(lambda: sglang.Engine(
+        # With no running loop on the new thread, sglang.Engine makes one and exposes it as `.loop`.
+        self._loop_thread = LoopThread(lambda: sglang.Engine(
             model_path=resolve_model_path(model_path), dtype=dtype, max_running_requests=max_batch_size,
-            random_seed=seed, trust_remote_code=trust_remote_code, **settings))
-        self.engine = self._driver.engine
-        self._version = 0
-        self._asleep = False
-        self._weights_resident = True  # False while asleep with weights released
+            random_seed=seed, trust_remote_code=trust_remote_code, **settings), name="rollflow-sglang")
+        self.engine = self._loop_thread.instance
+        self._lifecycle = EngineLifecycle()
         self._rids: dict[str, list[str]] = {}  # running request -> its SGLang request ids (loop thread only)
         self._aborted_early: set[str] = set()
         self._submitted: set[str] = set()
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._lifecycle.version
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt."""
-        if self._asleep:
-            raise RuntimeError("engine is asleep; call wake() before generate()")
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        self._lifecycle.check_can_generate()
         self._submitted.add(request.request_id)
-        return await asyncio.wrap_future(self._driver.submit(self._generate(request)))
+        return await asyncio.wrap_future(self._loop_thread.submit(self._generate(request)))
 
     async def _generate(self, request: GenerationRequest) -> Completion:
         started, n = time.perf_counter(), request.params.n
@@ -168,7 +164,7 @@ class SGLangEngine:
         if request.request_id in self._aborted_early:
             self._aborted_early.discard(request.request_id)
             outputs = [CompletionOutput(finish_reason="abort") for _ in range(n)]
-            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self._version})
+            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self.version})
         rids = [f"{request.request_id}#{slot}" for slot in range(n)]
         self._rids[request.request_id] = rids
         try:
@@ -179,14 +175,16 @@ class SGLangEngine:
             self._rids.pop(request.request_id, None)
         # The version now is the one that sampled every token: an update waits for running requests,
         # and a request that waited for an update ran after `_load` set its version.
-        version = self._version
+        version = self.version
         outputs = [completion_output_from_sglang(result, version) for result in results]
         return Completion(request.request_id, outputs, {"seconds": time.perf_counter() - started,
                                                         "version": version})
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests; they resolve with what was generated so far (`abort`)."""
-        self._driver.call_soon(self._abort, list(request_ids))
+        if self._lifecycle.closed:  # close() already resolved every request
+            return
+        self._loop_thread.call_soon(self._abort, list(request_ids))
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -196,98 +194,38 @@ class SGLangEngine:
             elif request_id in self._submitted:
                 self._aborted_early.add(request_id)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
-        """Load trainer weights after verifying their checksum; raises `WeightSyncError`."""
-        verify_weights(named_tensors, checksum)
-        self._driver.call(lambda: self._load(list(named_tensors.items()), version))
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load trainer weights into SGLang; asleep, only the weights are brought back first."""
+        self._lifecycle.check_open()
+        self._loop_thread.call(lambda: self._load(list(named_tensors.items()), version))
 
     def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         """On the loop's thread, between runs of the loop (no request completes in between)."""
-        if not self._weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
+        lifecycle = self._lifecycle
+        if not lifecycle.weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
             self.engine.resume_memory_occupation(tags=["weights"])
-            self._weights_resident = True
-        result = self.engine.update_weights_from_tensor(weights, flush_cache=not self._asleep)
+            lifecycle.weights_resident = True
+        result = self.engine.update_weights_from_tensor(weights, flush_cache=not lifecycle.asleep)
         if isinstance(result, tuple) and result and not result[0]:
             raise RuntimeError(f"SGLang could not load the weights: {result[1:]}")
-        self._version = version
+        lifecycle.version = version
 
     def sleep(self) -> None:
         """Release GPU memory (weights and KV cache) between rollout phases."""
-        if self._asleep:
-            return
-        self._driver.call(self.engine.release_memory_occupation)
-        self._asleep, self._weights_resident = True, False
+        self._lifecycle.sleep(lambda: self._loop_thread.call(self.engine.release_memory_occupation),
+                              weights_released=True)
 
     def wake(self) -> None:
-        if not self._asleep:
-            return
-        tags = None if not self._weights_resident else ["kv_cache"]
-        self._driver.call(lambda: self.engine.resume_memory_occupation(tags=tags))
-        self._asleep, self._weights_resident = False, True
+        """Undo `sleep()`: the KV cache, and the weights unless a weight load already brought them back."""
+        tags = self._lifecycle.tags_to_resume()
+        self._lifecycle.wake(lambda: self._loop_thread.call(
+            lambda: self.engine.resume_memory_occupation(tags=tags)))
 
     def close(self) -> None:
-        """Shut SGLang down and stop its loop thread."""
-        self._driver.call(self.engine.shutdown)
-        self._driver.close()
-
-
-class _EngineLoopThread:
-    """Creates an object with a private event loop in a thread, then drives that loop.
-
-    The loop runs (serving coroutines from `submit`) until `call` hands over a synchronous function; the
-    thread then calls it outside the running loop, so a library method that does
-    `loop.run_until_complete(...)` works, and coroutines already on the loop keep running inside it.
-
-    Args:
-        factory: builds the object (here `sglang.Engine`); must expose the loop it uses as `.loop`.
-    """
-
-    def __init__(self, factory: Callable[[], Any]):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = asyncio.Event()
-        ready: Future = Future()
-        self.thread = threading.Thread(target=self._main, args=(factory, ready), name="rollflow-sglang",
-                                       daemon=True)
-        self.thread.start()
-        self.engine = ready.result()
-        self.loop: asyncio.AbstractEventLoop = self.engine.loop
-
-    def _main(self, factory: Callable[[], Any], ready: Future) -> None:
+        """Shut SGLang down and stop its loop thread (idempotent); requests still running are cancelled."""
+        if not self._lifecycle.close():
+            return
         try:
-            engine = factory()  # with no running loop here, sglang.Engine makes one and sets it current
-        except BaseException as err:  # hand the failure to the constructor's thread
-            ready.set_exception(err)
-            return
-        ready.set_result(engine)
-        while True:
-            engine.loop.run_until_complete(self._wakeup.wait())
-            self._wakeup.clear()  # before draining: a call queued from now on sets it again
-            while True:
-                try:
-                    function, future = self._calls.get_nowait()
-                except queue.Empty:
-                    break
-                if function is None:
-                    future.set_result(None)
-                    return
-                try:
-                    future.set_result(function())
-                except BaseException as err:
-                    future.set_exception(err)
-
-    def submit(self, coroutine: Coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def call_soon(self, callback, *args) -> None:
-        self.loop.call_soon_threadsafe(callback, *args)
-
-    def call(self, function: Callable[[], Any]):
-        """Run a synchronous engine method on the loop's thread and wait for its result."""
-        future: Future = Future()
-        self._calls.put((function, future))
-        self.loop.call_soon_threadsafe(self._wakeup.set)
-        return future.result()
-
-    def close(self) -> None:
-        self.call(None)
-        self.thread.join(timeout=10)
+            self._loop_thread.call(self.engine.shutdown)
+        finally:
+            self._loop_thread.close()

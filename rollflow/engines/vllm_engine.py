@@ -25,8 +25,9 @@ default); a request that would get a different quantity under the configured mod
 
 Threading. vLLM's `AsyncLLM` binds to the event loop it is created on, and the engine protocol has
 synchronous methods (`abort`, `update_weights`, `sleep`, `wake`) that a Ray async actor calls from inside
-its own running loop. So the `AsyncLLM` lives on a private event loop in a background thread; `generate`
-awaits futures from it and the synchronous methods block on it.
+its own running loop. So the `AsyncLLM` is created inside a coroutine on a private event loop that a
+`LoopThread` (`loop_thread.py`) makes and runs; `generate` awaits futures from it and the synchronous
+methods block on it.
 
 Policy versions: each token is tagged with the engine's version when its output reached this process.
 Weight updates go through vLLM's RPC between scheduler steps, so a token sampled in the step just
@@ -37,15 +38,11 @@ rollout scheduler aborts or drains before syncing).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Coroutine
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from rollflow.cluster.weight_sync import verify_weights
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -53,6 +50,8 @@ from rollflow.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
+from rollflow.engines.lifecycle import EngineLifecycle
+from rollflow.engines.loop_thread import LoopThread
 from rollflow.models import resolve_model_path
 
 WORKER_EXTENSION = "rollflow.engines.vllm_engine:VLLMWorkerExtension"
@@ -165,32 +164,29 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         args = AsyncEngineArgs(model=resolve_model_path(model_path), dtype=dtype, max_num_seqs=max_batch_size,
                                seed=seed, trust_remote_code=trust_remote_code, **settings)
-        self._loop = _BackgroundLoop("rollflow-vllm")
 
-        async def create():  # on the background loop, so AsyncLLM's output handler runs there
+        async def create():  # on the thread's loop, so AsyncLLM's output handler runs there
             return AsyncLLM.from_engine_args(args)
 
-        self.llm = self._loop.run(create())
-        self._version = 0
-        self._asleep = False
-        self._weights_resident = True  # False while asleep with weights off the GPU
+        self._loop_thread = LoopThread(create, name="rollflow-vllm")
+        self.llm = self._loop_thread.instance
+        self._lifecycle = EngineLifecycle()
         self._tasks: dict[str, asyncio.Task] = {}  # streaming requests (touched on the loop thread only)
         self._submitted: set[str] = set()  # handed to the loop, not started yet
         self._aborted_early: set[str] = set()  # aborted before they started
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._lifecycle.version
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt."""
-        if self._asleep:
-            raise RuntimeError("engine is asleep; call wake() before generate()")
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        self._lifecycle.check_can_generate()
         problem = logprob_mismatch(request.params, self.logprobs_mode)
         if problem:
             raise ValueError(f"request {request.request_id}: {problem}")
         self._submitted.add(request.request_id)
-        return await asyncio.wrap_future(self._loop.submit(self._generate(request)))
+        return await asyncio.wrap_future(self._loop_thread.submit(self._generate(request)))
 
     async def _generate(self, request: GenerationRequest) -> Completion:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -204,23 +200,25 @@ class VLLMEngine:
         self._submitted.discard(request.request_id)
         if request.request_id in self._aborted_early:
             self._aborted_early.discard(request.request_id)
-            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self._version})
+            return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self.version})
         self._tasks[request.request_id] = asyncio.current_task()
         try:
             stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
                                        request.request_id)
             async for request_output in stream:
-                apply_request_output(outputs, request_output, self._version)
+                apply_request_output(outputs, request_output, self.version)
         except asyncio.CancelledError:  # abort(): keep what was generated; unfinished samples say "abort"
             pass
         finally:
             self._tasks.pop(request.request_id, None)
-        metadata = {"seconds": time.perf_counter() - started, "version": self._version}
+        metadata = {"seconds": time.perf_counter() - started, "version": self.version}
         return Completion(request.request_id, outputs, metadata)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests; they resolve with what was generated so far (`abort`)."""
-        self._loop.call_soon(self._abort, list(request_ids))
+        if self._lifecycle.closed:  # close() already resolved every request
+            return
+        self._loop_thread.call_soon(self._abort, list(request_ids))
 
     def _abort(self, request_ids: list[str]) -> None:
         # Cancelling the consumer makes vLLM's generate() abort the request in the engine core; the
@@ -233,44 +231,44 @@ class VLLMEngine:
                 self._aborted_early.add(request_id)
         asyncio.get_running_loop().create_task(self.llm.abort(request_ids))
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, checksum: str) -> None:
-        """Load trainer weights after verifying their checksum; raises `WeightSyncError`."""
-        verify_weights(named_tensors, checksum)
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load trainer weights into every vLLM worker; asleep, only the weights are brought back first."""
+        self._lifecycle.check_open()
         # CPU tensors: they travel to the workers through vLLM's RPC serialization.
         weights = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named_tensors.items()]
-        self._loop.run(self._load(weights, version))
+        self._loop_thread.run(self._load(weights, version))
 
     async def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
-        if not self._weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
+        lifecycle = self._lifecycle
+        if not lifecycle.weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
             await self.llm.wake_up(tags=["weights"])
-            self._weights_resident = True
+            lifecycle.weights_resident = True
         await self.llm.collective_rpc("rollflow_load_weights", args=(weights,))
-        if not self._asleep:  # (sleep already emptied the prefix cache)
+        if not lifecycle.asleep:  # (sleep already emptied the prefix cache)
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        self._version = version  # on the loop thread, before any later output is tagged
+        lifecycle.version = version  # on the loop thread, before any later output is tagged
 
     def sleep(self) -> None:
         """Free GPU memory between rollout phases (vLLM sleep mode; in-flight requests are aborted)."""
-        if self._asleep:
-            return
-        self._loop.run(self._sleep())
+        self._lifecycle.sleep(lambda: self._loop_thread.run(self._sleep()), weights_released=True)
 
     async def _sleep(self) -> None:
         await self.llm.reset_prefix_cache()
         await self.llm.sleep(level=self.sleep_level)
-        self._asleep, self._weights_resident = True, False
 
     def wake(self) -> None:
-        if not self._asleep:
-            return
-        tags = None if not self._weights_resident else ["kv_cache"]
-        self._loop.run(self.llm.wake_up(tags=tags))
-        self._asleep, self._weights_resident = False, True
+        """Undo `sleep()`: the KV cache, and the weights unless a weight load already brought them back."""
+        tags = self._lifecycle.tags_to_resume()
+        self._lifecycle.wake(lambda: self._loop_thread.run(self.llm.wake_up(tags=tags)))
 
     def close(self) -> None:
-        """Shut vLLM down and stop the background loop."""
-        self.llm.shutdown()
-        self._loop.close()
+        """Shut vLLM down and stop the loop thread (idempotent); requests still running end "abort"."""
+        if not self._lifecycle.close():
+            return
+        try:
+            self.llm.shutdown()
+        finally:
+            self._loop_thread.close()  # cancels what is left on the loop: `_generate` returns "abort"
 
 
 class VLLMWorkerExtension:
@@ -286,26 +284,3 @@ class VLLMWorkerExtension:
         self.model_runner.model.load_weights(weights=on_device)
         torch.cuda.synchronize()
         return len(weights)
-
-
-class _BackgroundLoop:
-    """An asyncio event loop running in a daemon thread, for libraries bound to the loop they start on."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coroutine: Coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def run(self, coroutine: Coroutine):
-        """Run `coroutine` on the loop and wait for its result (from any other thread)."""
-        return self.submit(coroutine).result()
-
-    def call_soon(self, callback, *args) -> None:
-        self.loop.call_soon_threadsafe(callback, *args)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)

@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
-from rollflow.cluster.weight_sync import weights_checksum
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
 from rollflow.engines.base import GenerationRequest, SamplingParams
 from rollflow.engines.hf import HFEngine, cpu_decode_attention
-from rollflow.errors import WeightSyncError
 from rollflow.registry import UnknownNameError
 
 PROMPTS = [[3, 20, 21, 5], [3, 22, 5], [3, 23, 24, 25, 26, 5]]
@@ -49,7 +48,7 @@ def test_prefill_once_per_request_and_finished_rows_leave_the_batch(engine, rand
     samples = [Sample(PROMPTS[i], o.token_ids, o.logprobs)
                for i, c in enumerate(completions) for o in c.outputs]
     batch = collate(samples, pad_token_id=0)
-    trainer = TorchBackend(random_model_dir, trainable=False, micro_batch_size=6)
+    trainer = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=6))
     recomputed = trainer.forward_logprobs(batch, temperature=0.8)  # [B, T]
     gap = (recomputed - batch.rollout_logprobs).abs() * batch.response_mask
     assert float(gap.max()) < 1e-4
@@ -66,17 +65,52 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproduces(random_model_dir
     assert [o.token_ids for o in a[0].outputs] == [o.token_ids for o in b[0].outputs]
 
 
-def test_update_weights_verifies_checksum_and_sets_version(engine):
+def test_update_weights_loads_the_weights_sets_the_version_and_rejects_unknown_names(engine):
     weights = {n: p.detach().clone() + 0.01 for n, p in engine.model.named_parameters()}
-    engine.update_weights(weights, version=3, checksum=weights_checksum(weights))
+    engine.update_weights(weights, version=3)
     assert engine.version == 3
     name = next(iter(weights))
     assert torch.equal(dict(engine.model.named_parameters())[name], weights[name])
-    corrupted = {n: t.clone() for n, t in weights.items()}
-    corrupted[name].view(-1)[0] += 1.0
-    with pytest.raises(WeightSyncError):
-        engine.update_weights(corrupted, version=4, checksum=weights_checksum(weights))
+    before = dict(engine.model.named_parameters())[name].detach().clone()
+    with pytest.raises(KeyError, match="not_a_parameter"):  # refused before any tensor is copied
+        engine.update_weights({name: weights[name] + 1.0, "not_a_parameter": weights[name]}, version=4)
     assert engine.version == 3
+    assert torch.equal(dict(engine.model.named_parameters())[name], before)
+
+
+def test_close_resolves_running_and_queued_requests_and_refuses_new_ones(random_model_dir):
+    """A request mid-wave and one queued behind it both resolve at close() (nobody waits forever); the
+    engine then refuses work with a clear error."""
+    engine = HFEngine(random_model_dir, seed=0, max_batch_size=2)
+    engine.eos_ids = []  # only max_new_tokens ends a sample: the running one cannot finish before close()
+    running = GenerationRequest("running", PROMPTS[0], SamplingParams(max_new_tokens=40, n=2))
+    queued = GenerationRequest("queued", PROMPTS[1], SamplingParams(max_new_tokens=40))  # over the batch
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in (running, queued)]
+
+        async def first_token():
+            while engine.stats["tokens"] == 0:
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(first_token(), timeout=30)
+        runner = engine._runner
+        engine.close()
+        completions = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+        await asyncio.sleep(0)  # the runner sees its cancellation
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate(GenerationRequest("late", PROMPTS[2], SamplingParams(max_new_tokens=2)))
+        return completions, runner
+
+    completions, runner = asyncio.run(main())
+    assert runner.cancelled()
+    assert [c.request_id for c in completions] == ["running", "queued"]
+    assert [[o.finish_reason for o in c.outputs] for c in completions] == [["abort", "abort"], ["abort"]]
+    assert all(o.token_ids == [] and o.logprobs == [] for c in completions for o in c.outputs)
+    assert engine.model is None
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.update_weights({}, version=1)
+    engine.close()  # idempotent
 
 
 def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():

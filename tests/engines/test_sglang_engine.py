@@ -1,18 +1,16 @@
 """SGLang engine: the conversions to and from SGLang's request / result dicts, checked on CPU without
-SGLang, the thread that drives SGLang's event loop (with a stand-in object that uses its loop the way
-`sglang.Engine` does), and the real engine on a GPU."""
+SGLang, and the real engine on a GPU. The thread that drives SGLang's event loop is tested with a stand-in
+for `sglang.Engine` in test_loop_thread.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 
 from rollflow.engines.base import GenerationRequest, SamplingParams
 from rollflow.engines.sglang_engine import (
-    _EngineLoopThread,
     completion_output_from_sglang,
     finish_reason_from_sglang,
     original_logprob_enabled,
@@ -57,52 +55,6 @@ def test_result_dict_becomes_tokens_with_their_logprobs():
     assert out.finish_reason == "stop"
     with pytest.raises(RuntimeError, match="return_logprob"):
         completion_output_from_sglang({"meta_info": {"finish_reason": None}}, version=0)
-
-
-class _LoopOwner:
-    """Uses its event loop the way sglang.Engine does: created (and set current) in the constructor's
-    thread when none is running; sync methods call `loop.run_until_complete`; async ones run on it."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        self.gate = asyncio.Event()
-        self.thread = threading.current_thread()
-
-    async def wait_for_gate(self, value):
-        await self.gate.wait()
-        return value, threading.current_thread() is self.thread
-
-    def open_gate(self):
-        async def run():
-            self.gate.set()
-            await asyncio.sleep(0.01)  # the waiting coroutine finishes inside this run_until_complete
-            return "opened"
-
-        return self.loop.run_until_complete(run())
-
-
-def test_loop_thread_keeps_coroutines_running_across_synchronous_calls():
-    driver = _EngineLoopThread(_LoopOwner)
-    try:
-        pending = driver.submit(driver.engine.wait_for_gate("done"))
-        assert not pending.done()
-        assert driver.call(driver.engine.open_gate) == "opened"  # a sync method, from another thread
-        assert pending.result(timeout=5) == ("done", True)  # ran on the engine's own thread and loop
-        assert driver.call(lambda: 42) == 42  # later calls still served
-        with pytest.raises(ZeroDivisionError):
-            driver.call(lambda: 1 / 0)
-    finally:
-        driver.close()
-    assert not driver.thread.is_alive()
-
-
-def test_loop_thread_reports_a_failing_constructor():
-    def broken():
-        raise OSError("no GPU")
-
-    with pytest.raises(OSError, match="no GPU"):
-        _EngineLoopThread(broken)
 
 
 @pytest.mark.gpu
