@@ -8,44 +8,83 @@ Two transports carry the same buckets (tensors grouped in name order, about `buc
   CPU, NCCL on GPUs, so GPU weights go device to device without host copies) and each bucket is broadcast
   as one flat byte buffer; the manifest carries the layout the receivers need to allocate and unpack it.
 
-The trainer computes a checksum over every tensor it sends (names, dtypes, shapes and raw bytes, in name
-order); the engine recomputes it on arrival and refuses weights that differ, so a corrupted or partial
-transfer stops the run instead of silently training against a different model.
+Checksums (BLAKE2b over each tensor's name, dtype, shape and raw bytes, in name order) are taken by the
+trainer and checked by each receiving rollout worker, so a corrupted or partial transfer stops the run
+instead of silently training against a different model. Each side hashes every tensor at most once
+(`hash_tensor` is the one place that reads tensor bytes for a digest). `CHECKSUM_MODES`:
+
+* `bucket` (default): one digest per bucket; `WeightReceiver.add` checks each bucket as it arrives, so a
+  bad bucket is reported by index before the rest is fetched.
+* `full`: one digest over all tensors (`weights_checksum`), accumulated as buckets arrive and compared
+  once `WeightReceiver.finish` has them all.
+* `off`: nothing is hashed, only the tensor and bucket counts are checked. Unsafe: a flipped byte reaches
+  the engine unnoticed. For measuring the checksum's cost, not for training runs.
+
+Usage, on either transport:
+
+    manifest, outgoing = publish_weights(weights, version, bucket_bytes, checksum="bucket")  # trainer rank 0
+    receiver = WeightReceiver(manifest)                                                    # rollout worker
+    for bucket in buckets_as_they_arrive:
+        receiver.add(bucket)         # WeightSyncError on a bad bucket (`bucket` mode)
+    weights = receiver.finish()      # WeightSyncError on a missing tensor or (`full` mode) a bad digest
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from rollflow.errors import WeightSyncError
 
+CHECKSUM_MODES = ("bucket", "full", "off")
+
+
+def hash_tensor(digest: hashlib.blake2b, name: str, tensor: torch.Tensor) -> None:
+    """Feed one named tensor (name, dtype, shape, raw bytes) into `digest`.
+
+    Every digest of this module goes through here, so the tests can count how often each tensor is hashed.
+
+    Args:
+        digest: a running BLAKE2b digest, updated in place.
+        name: the tensor's parameter name.
+        tensor: any dtype, shape or device (a device tensor is copied to host memory first).
+    """
+    tensor = tensor.detach().to("cpu").contiguous()
+    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    if tensor.numel():
+        # the numpy array is read through the buffer protocol: no bytes copy of the tensor
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _new_digest() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=16)
+
 
 def weights_checksum(named_tensors: dict[str, torch.Tensor]) -> str:
-    """BLAKE2b digest of the tensors (hex). Same tensors -> same digest on any machine."""
-    digest = hashlib.blake2b(digest_size=16)
+    """BLAKE2b digest of the tensors (hex), in name order. Same tensors -> same digest on any machine.
+
+    The `full` mode digest of all the weights; a `bucket` mode digest is this over one bucket.
+    """
+    digest = _new_digest()
     for name in sorted(named_tensors):
-        tensor = named_tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        hash_tensor(digest, name, named_tensors[name])
     return digest.hexdigest()
-
-
-def verify_weights(named_tensors: dict[str, torch.Tensor], expected: str) -> None:
-    """Raise `WeightSyncError` unless the tensors hash to `expected`."""
-    actual = weights_checksum(named_tensors)
-    if actual != expected:
-        raise WeightSyncError(
-            f"weight sync checksum mismatch: received {len(named_tensors)} tensors hashing to {actual}, "
-            f"trainer sent {expected}; the transfer was corrupted"
-        )
 
 
 def weights_nbytes(named_tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in named_tensors.values())
+
+
+def check_checksum_mode(mode: str) -> str:
+    """Return `mode` if it is one of `CHECKSUM_MODES`, else raise `ValueError` naming the valid ones."""
+    if mode not in CHECKSUM_MODES:
+        raise ValueError(f"unknown weight checksum mode {mode!r}; valid: {', '.join(CHECKSUM_MODES)}")
+    return mode
 
 
 @dataclass
@@ -54,12 +93,14 @@ class WeightManifest:
 
     Attributes:
         version: policy version (optimizer steps taken).
-        checksum: `weights_checksum` of the full set, taken before the transfer.
+        checksum: `full` mode: `weights_checksum` of the full set, taken before the transfer; else "".
         buckets: `object_store`: Ray object refs, each a `dict[name, tensor]` of about `bucket_bytes`, in name
             order. `broadcast`: empty.
         nbytes: total tensor bytes.
         num_tensors: tensors over all buckets.
         layouts: `broadcast`: per bucket, the (name, dtype, shape) of each tensor in the flat buffer.
+        checksum_mode: one of `CHECKSUM_MODES`.
+        bucket_checksums: `bucket` mode: the digest of each bucket, in bucket order; else empty.
     """
 
     version: int
@@ -68,6 +109,8 @@ class WeightManifest:
     nbytes: int = 0
     num_tensors: int = 0
     layouts: list[list[tuple[str, str, tuple[int, ...]]]] = field(default_factory=list)
+    checksum_mode: str = "bucket"
+    bucket_checksums: list[str] = field(default_factory=list)
 
     @property
     def num_buckets(self) -> int:
@@ -103,28 +146,49 @@ def flip_one_byte(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return corrupted
 
 
+def bucket_digests(buckets: list[dict[str, torch.Tensor]], mode: str) -> tuple[str, list[str]]:
+    """The digests `mode` sends with `buckets` (from `split_buckets`), hashing each tensor once.
+
+    Returns:
+        (`full`: the digest of all tensors, equal to `weights_checksum`; else "",
+         `bucket`: one digest per bucket; else []).
+    """
+    if check_checksum_mode(mode) == "bucket":
+        return "", [weights_checksum(bucket) for bucket in buckets]
+    if mode == "full":
+        digest = _new_digest()
+        for bucket in buckets:  # buckets are consecutive runs of the name order: this is the name order
+            for name in sorted(bucket):
+                hash_tensor(digest, name, bucket[name])
+        return digest.hexdigest(), []
+    return "", []
+
+
 def publish_weights(named_tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int,
-                    corrupt: bool = False, transport: str = "object_store",
+                    checksum: str = "bucket", corrupt: bool = False, transport: str = "object_store",
                     ) -> tuple[WeightManifest, list[dict[str, torch.Tensor]]]:
-    """Checksum the weights and split them into buckets for `transport`.
+    """Split the weights into buckets for `transport` and checksum them as `checksum` says.
 
     Args:
         named_tensors: full weights.
         version: the policy version they are.
         bucket_bytes: target bucket size.
-        corrupt: flip one byte after the checksum is taken (tests prove the receiver catches it).
+        checksum: one of `CHECKSUM_MODES` (`checks.weight_checksum`).
+        corrupt: flip one byte of the first bucket after the digests are taken (the
+            `checks.fault_injection_flip_sync_byte_at` hook; the receiver catches it unless `checksum="off"`).
         transport: "object_store" (buckets go into the Ray object store now) or "broadcast" (the caller sends
             the returned buckets with `BroadcastGroup.send` while the engines receive).
 
     Returns:
         (manifest for the engines, the buckets still to send: empty for the object store).
     """
-    checksum = weights_checksum(named_tensors)
-    if corrupt:
-        named_tensors = flip_one_byte(named_tensors)
     buckets = split_buckets(named_tensors, bucket_bytes)
-    manifest = WeightManifest(version, checksum, nbytes=weights_nbytes(named_tensors),
-                              num_tensors=len(named_tensors))
+    full_checksum, per_bucket = bucket_digests(buckets, checksum)
+    if corrupt and buckets:
+        buckets[0] = flip_one_byte(buckets[0])
+    manifest = WeightManifest(version, full_checksum, nbytes=weights_nbytes(named_tensors),
+                              num_tensors=len(named_tensors), checksum_mode=checksum,
+                              bucket_checksums=per_bucket)
     if transport == "object_store":
         import ray
 
@@ -133,6 +197,80 @@ def publish_weights(named_tensors: dict[str, torch.Tensor], version: int, bucket
     manifest.layouts = [[(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in b.items()]
                         for b in buckets]
     return manifest, buckets
+
+
+class WeightReceiver:
+    """Collects the buckets of one `WeightManifest` on a rollout worker and verifies them once.
+
+    Feed it the buckets in the order the trainer sent them (both transports deliver them in order), then
+    call `finish`. `bucket` mode checks each bucket in `add`; `full` mode hashes each bucket in `add` (while
+    it is still in cache) and compares the digest in `finish`; `off` hashes nothing.
+
+    Args:
+        manifest: what `publish_weights` returned on the trainer.
+
+    Attributes:
+        verify_seconds: time spent hashing so far (0 in `off` mode), for the sync metrics.
+    """
+
+    def __init__(self, manifest: WeightManifest):
+        self.manifest = manifest
+        self.mode = check_checksum_mode(manifest.checksum_mode)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.buckets_received = 0
+        self.verify_seconds = 0.0
+        self._full_digest = _new_digest() if self.mode == "full" else None
+
+    def add(self, bucket: dict[str, torch.Tensor]) -> None:
+        """Take the next bucket; in `bucket` mode verify it now.
+
+        Raises:
+            WeightSyncError: more buckets than the trainer sent, or (`bucket` mode) a digest mismatch, naming
+                the bucket index, the version and the bucket's first and last tensor names.
+        """
+        manifest, index = self.manifest, self.buckets_received
+        if index >= manifest.num_buckets:
+            raise WeightSyncError(f"weight sync for version {manifest.version} received bucket {index}, but "
+                                  f"the trainer sent {manifest.num_buckets} buckets")
+        started = time.perf_counter()
+        if self.mode == "bucket":
+            actual, expected = weights_checksum(bucket), manifest.bucket_checksums[index]
+            if actual != expected:
+                names = sorted(bucket)
+                span = f"{names[0]!r}..{names[-1]!r}" if names else "no tensors"
+                raise WeightSyncError(
+                    f"weight sync checksum mismatch in bucket {index} of {manifest.num_buckets} "
+                    f"(tensors {span}, {len(names)} tensors) for version {manifest.version}: "
+                    f"received {actual}, trainer sent {expected}; the transfer was corrupted"
+                )
+        elif self.mode == "full":
+            for name in sorted(bucket):
+                hash_tensor(self._full_digest, name, bucket[name])
+        self.verify_seconds += time.perf_counter() - started
+        self.weights.update(bucket)
+        self.buckets_received += 1
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The full weights, once every bucket has arrived; in `full` mode verify them now.
+
+        Raises:
+            WeightSyncError: a missing bucket or tensor, or (`full` mode) a checksum mismatch.
+        """
+        manifest, received = self.manifest, len(self.weights)
+        if received != manifest.num_tensors or self.buckets_received != manifest.num_buckets:
+            raise WeightSyncError(
+                f"weight sync for version {manifest.version} delivered {received} tensors, the trainer sent "
+                f"{manifest.num_tensors} (received {self.buckets_received} of {manifest.num_buckets} buckets)"
+            )
+        if self.mode == "full":
+            actual = self._full_digest.hexdigest()
+            if actual != manifest.checksum:
+                raise WeightSyncError(
+                    f"weight sync checksum mismatch for version {manifest.version}: received {received} "
+                    f"tensors hashing to {actual}, trainer sent {manifest.checksum}; "
+                    f"the transfer was corrupted"
+                )
+        return self.weights
 
 
 def pack_bucket(bucket: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -145,7 +283,8 @@ def layout_nbytes(dtype_name: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
 
-def unpack_bucket(flat: torch.Tensor, layout: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+def unpack_bucket(flat: torch.Tensor,
+                  layout: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
     """Inverse of `pack_bucket` given the bucket's (name, dtype, shape) layout."""
     named, offset = {}, 0
     for name, dtype_name, shape in layout:
@@ -190,28 +329,12 @@ class BroadcastGroup:
         for bucket in buckets:
             self.group.broadcast(pack_bucket(bucket).to(self.device), 0).wait()
 
-    def receive(self, layouts: list[list[tuple[str, str, tuple[int, ...]]]]) -> list[dict[str, torch.Tensor]]:
-        """Receive every bucket described by `layouts` (ranks 1..N)."""
-        buckets = []
+    def receive(self,
+                layouts: list[list[tuple[str, str, tuple[int, ...]]]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield each bucket described by `layouts` as it arrives (ranks 1..N), so the caller can verify
+        one bucket before the next is broadcast. Every bucket must be consumed: the trainer waits for all."""
         for layout in layouts:
             nbytes = sum(layout_nbytes(dtype_name, shape) for _, dtype_name, shape in layout)
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.group.broadcast(flat, 0).wait()
-            buckets.append(unpack_bucket(flat, layout))
-        return buckets
-
-
-def assemble_weights(manifest: WeightManifest, buckets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Join the fetched buckets of `manifest` and check them against its checksum.
-
-    Raises:
-        WeightSyncError: a missing tensor or a checksum mismatch.
-    """
-    named: dict[str, torch.Tensor] = {}
-    for bucket in buckets:
-        named.update(bucket)
-    if len(named) != manifest.num_tensors:
-        raise WeightSyncError(f"weight sync for version {manifest.version} delivered {len(named)} tensors, "
-                              f"the trainer sent {manifest.num_tensors}")
-    verify_weights(named, manifest.checksum)
-    return named
+            yield unpack_bucket(flat, layout)
