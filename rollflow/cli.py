@@ -12,28 +12,22 @@ import sys
 EXIT_USER_ERROR = 2
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from rollflow.errors import RollflowError
-    from rollflow.rewards import RewardLoadError
-
-    return RollflowError, RewardLoadError
-
-
 def _train(args: argparse.Namespace) -> int:
+    """Run the pipeline the config names (`pipeline:`, default rlvr) through `rollflow.pipelines.PIPELINES`."""
     from rollflow.config import dump_config, load_config
+    from rollflow.pipelines import PIPELINES
 
     config = load_config(args.config, args.overrides)
     if args.print_config:
         print(dump_config(config), end="")
         return 0
+    pipeline = PIPELINES.get(config.pipeline)
     if args.print_plan:
-        from rollflow.pipelines.rlvr import describe_plan
+        from rollflow.workers.roles import describe_plan
 
-        print(describe_plan(config))
+        print(describe_plan(config, pipeline.roles_of(config)))
         return 0
-    from rollflow.pipelines.rlvr import run_rlvr
-
-    final = run_rlvr(config)
+    final = pipeline.runner()(config)
     print(f"run directory: {config.run_dir}")
     return 0 if final else 1
 
@@ -69,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train with a YAML config (+ key.path=value overrides)")
+    train = commands.add_parser("train", help="run the pipeline a YAML config names (+ key.path=value overrides)")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="overrides like rollout.prompts_per_step=8")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -102,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    errors = _user_errors()
+    from rollflow.errors import RollflowError
+
     try:
         return args.handler(args)
-    except errors as err:
+    except RollflowError as err:
         print(f"rollflow: error: {_remote_cause(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

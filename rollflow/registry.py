@@ -1,6 +1,6 @@
 """Name -> implementation registries (losses, advantages, engines, backends, envs, rewards).
 
-Plain Python with no imports from the rest of rollflow, so every folder may use it.
+Plain Python that imports only `rollflow.errors` from the rest of rollflow, so every folder may use it.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import difflib
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from rollflow.errors import RollflowError
+
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(RollflowError, KeyError):
     """An unknown registry name. The message lists the valid names and the nearest match."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain.

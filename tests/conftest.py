@@ -32,6 +32,19 @@ def save_random_model(path, seed: int = 0, hidden: int = 64, layers: int = 2,
     return str(path)
 
 
+def step_samples():
+    """A step's samples: two groups, with a truncated sample and a failed one (no response)."""
+    from rollflow.data.sample import Sample, SampleStatus
+
+    return [
+        Sample([1, 2], [3, 4], [-0.5, -0.25], group_id=0, reward=1.0, rewards={"math_answer": 1.0}),
+        Sample([1, 2], [5], [-1.0], group_id=0, reward=0.0, rewards={"math_answer": 0.0},
+               status=SampleStatus.TRUNCATED),
+        Sample([1], [6, 7, 8], [-0.1, -0.2, -0.3], group_id=1, reward=0.5, rewards={"math_answer": 0.5}),
+        Sample([1], [], group_id=1, status=SampleStatus.FAILED),
+    ]
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory) -> str:
     return save_random_model(tmp_path_factory.mktemp("random_model"))

@@ -27,6 +27,7 @@ from rollflow.algorithms.reward_shaping import (
     overlong_reward_penalty,
     whiten,
 )
+from rollflow.algorithms.supervised import token_nll
 from rollflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "normalize_rewards",
     "overlong_filter_mask",
     "overlong_reward_penalty",
+    "token_nll",
     "train_infer_correction",
     "truncated_is_weights",
     "whiten",

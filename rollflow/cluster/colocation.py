@@ -16,31 +16,21 @@ import ray
 
 from rollflow.cluster.placement import PlacementPlan
 
-# The roles each phase of a step runs. Weight sync needs the trainer (it exports) and the engines (they load).
-PHASE_ROLES: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_infer",),
-    "reference": ("reference",),
-    "old_logprobs": ("actor_train",),
-    "values": ("critic",),
-    "critic_train": ("critic",),
-    "actor_train": ("actor_train",),
-    "weight_sync": ("actor_train", "actor_infer"),
-}
 
-
-def transitions(plan: PlacementPlan, resident: dict[str, bool], phase: str) -> tuple[list[str], list[str]]:
-    """The roles to offload and to onload (in that order) before `phase` runs.
+def transitions(plan: PlacementPlan, resident: dict[str, bool], uses: tuple[str, ...]
+                ) -> tuple[list[str], list[str]]:
+    """The roles to offload and to onload (in that order) before a phase that uses the roles `uses` runs.
 
     Args:
         plan: the placement plan (which roles share devices).
         resident: role -> whether it is resident now, for every started role.
-        phase: a key of `PHASE_ROLES`.
+        uses: the roles the phase runs (those not started are ignored).
 
     Returns:
-        (offload, onload): resident roles that are idle in `phase` and share a device with a role it uses;
+        (offload, onload): resident roles that are idle in the phase and share a device with a role it uses;
         roles the phase uses that are offloaded.
     """
-    active = [role for role in PHASE_ROLES[phase] if role in resident]
+    active = [role for role in uses if role in resident]
     offload = [role for role, on in resident.items()
                if on and role not in active and any(plan.colocated(role, used) for used in active)]
     onload = [role for role in active if not resident[role]]
@@ -55,10 +45,13 @@ class ColocationManager:
         plan: the placement plan.
         groups: role -> `WorkerGroup` of every started role (worker methods `offload()` / `onload()` return
             {"seconds", "rss_bytes", "device_bytes"}).
+        phases: phase name -> the roles it runs; the pipeline's table (e.g. "rollout": ("actor_infer",
+            "reward")). A phase that moves weights between roles lists both ends.
     """
 
     plan: PlacementPlan
     groups: dict
+    phases: dict[str, tuple[str, ...]]
     resident: dict[str, bool] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -67,7 +60,7 @@ class ColocationManager:
 
     def enter(self, phase: str) -> None:
         """Offload / onload what `phase` needs, all workers of a role in parallel."""
-        offload, onload = transitions(self.plan, self.resident, phase)
+        offload, onload = transitions(self.plan, self.resident, self.phases[phase])
         started = time.perf_counter()
         for action, roles in (("offload", offload), ("onload", onload)):
             if not roles:

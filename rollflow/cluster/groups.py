@@ -1,17 +1,20 @@
-"""Each role's workers as Ray actors, placed by the plan (`rollflow.cluster.placement`).
+"""Worker groups: the Ray actors of one role, spawned from a worker class and the plan's placements.
+
+Nothing here names a role or a worker class: `spawn_group` is handed the class it starts, and the caller
+(`rollflow.workers.roles`) decides which roles a run has, their classes and their start order.
 
 With a device_mapping, one Ray placement group reserves every node's devices (one bundle per node, on
-distinct nodes) and each worker is scheduled into its node's bundle; rollflow itself assigns devices inside
-the bundle (CPU affinity / CUDA_VISIBLE_DEVICES), so colocated roles can share a device. Workers reserve no
-Ray resources of their own: the placement group holds the devices, the plan says who uses which.
-
-Without a device_mapping (the CPU default) there is no placement group: workers reserve 0 CPUs, time-share
-the machine and pin their torch threads to `num_cpus`.
+distinct nodes, `reserve_bundles`) and each worker is scheduled into its node's bundle; rollflow itself
+assigns devices inside the bundle (CPU affinity / CUDA_VISIBLE_DEVICES), so colocated roles can share a
+device. Workers reserve no Ray resources of their own: the placement group holds the devices, the plan says
+who uses which. Without a device_mapping (the CPU default) there is no placement group: workers reserve 0
+CPUs, time-share the machine and pin their torch threads to their share.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ray
@@ -19,10 +22,16 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollflow.cluster.placement import PlacementPlan, WorkerPlacement, plan_placement
-from rollflow.config import RunConfig
+from rollflow.cluster.placement import PlacementPlan, WorkerPlacement
 from rollflow.data.sample import Batch
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, RollflowError
+
+START_TIMEOUT_S = 1800.0  # a worker that has not built its model by then is stuck (big models load for minutes)
+CLOSE_TIMEOUT_S = 30.0  # how long shutdown waits for a worker's close() before killing it anyway
+
+
+class WorkerStartError(RollflowError):
+    """A worker's constructor failed (bad model path, missing API key, ...) or it never became ready."""
 
 
 class WorkerGroup:
@@ -67,108 +76,109 @@ class WorkerGroup:
         """The Ray node id each worker runs on."""
         return ray.get([handle.node_id.remote() for handle in self.handles])
 
-    def kill(self) -> None:
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until every worker's constructor has run.
+
+        Raises:
+            WorkerStartError: one line with the constructor's own error (not Ray's traceback), or a timeout.
+        """
+        try:
+            ray.get([handle.__ray_ready__.remote() for handle in self.handles], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerStartError(f"{self.role} workers did not start within {timeout_s:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise WorkerStartError(f"{self.role}: a worker failed to start: {root_cause(error)}") from None
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Ask every worker to `close()` (engines and backends release what they hold), then kill them."""
+        try:
+            ray.get([handle.close.remote() for handle in self.handles], timeout=timeout_s)
+        except (ray.exceptions.RayError, AttributeError):
+            pass  # a dead or stuck worker is killed below all the same
         for handle in self.handles:
             ray.kill(handle)
 
 
-@dataclass
-class RoleWorkers:
-    """Every role's workers for one run."""
+def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
+                bundles: PlacementGroup | None = None, *args: Any) -> WorkerGroup:
+    """Start one Ray actor of `worker_cls` per placement: `worker_cls(placement, *args)`.
 
-    plan: PlacementPlan
-    actor_train: WorkerGroup
-    actor_infer: WorkerGroup
-    reference: WorkerGroup | None = None
-    critic: WorkerGroup | None = None
-    placement_group: PlacementGroup | None = None
+    Returns at once; the constructors run in the background (`WorkerGroup.wait_ready` waits for them).
 
-    @property
-    def groups(self) -> list[WorkerGroup]:
-        """The started roles' groups."""
-        return [g for g in (self.actor_train, self.actor_infer, self.reference, self.critic) if g is not None]
+    Args:
+        role: the role name (for messages and metrics).
+        worker_cls: the worker class (a plain class; it is wrapped with `ray.remote` here).
+        placements: one per worker, from the plan.
+        bundles: the run's placement group (`reserve_bundles`), or None when nothing is placed.
+        *args: the rest of each worker's constructor arguments.
+    """
+    remote_class = ray.remote(worker_cls)  # once per group, not per worker
+    handles = [remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
+               for placement in placements]
+    return WorkerGroup(role, handles, placements)
+
+
+class WorkerGroups(Mapping[str, WorkerGroup]):
+    """Every started role's group for one run, by role name, in start order.
+
+    Args:
+        plan: the placement plan they were started from.
+        bundles: the placement group reserved for the plan (None when nothing is placed).
+    """
+
+    def __init__(self, plan: PlacementPlan, bundles: PlacementGroup | None = None):
+        self.plan = plan
+        self.bundles = bundles
+        self.groups: dict[str, WorkerGroup] = {}
+
+    def spawn(self, role: str, worker_cls: type, *args: Any) -> WorkerGroup:
+        """`spawn_group` for `role` with the plan's placements; the group joins this mapping."""
+        self.groups[role] = spawn_group(role, worker_cls, self.plan.workers[role], self.bundles, *args)
+        return self.groups[role]
+
+    def wait_ready(self) -> None:
+        """Wait for every group's workers (all constructors run concurrently); the first failure raises."""
+        for group in self.groups.values():
+            group.wait_ready()
 
     def shutdown(self) -> None:
-        """Kill every worker and release the placement group (when the Ray session outlives the run)."""
-        for group in self.groups:
-            group.kill()
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
+        """Close and kill every worker, then release the placement group (the Ray session may outlive the
+        run)."""
+        for group in self.groups.values():
+            group.close()
+        if self.bundles is not None:
+            remove_placement_group(self.bundles)
+            self.bundles = None
+
+    def __getitem__(self, role: str) -> WorkerGroup:
+        return self.groups[role]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
 
 
-def cluster_shape(config: RunConfig) -> tuple[int, int]:
+def cluster_shape(device: str, num_devices: int | None = None) -> tuple[int, int]:
     """(devices per node, nodes) of the running Ray cluster, as the plan counts them.
 
-    `cluster.num_devices` overrides the per-node count (e.g. use 2 of a node's 8 cores); otherwise a node's
-    CPUs (device "cpu") or GPUs (device "gpu") as Ray sees them, the smallest over the nodes that have any.
+    Args:
+        device: "cpu" or "gpu" (`cluster.device`).
+        num_devices: overrides the per-node count (e.g. use 2 of a node's 8 cores); otherwise a node's CPUs
+            or GPUs as Ray sees them, the smallest over the nodes that have any.
     """
-    resource = "CPU" if config.cluster.device == "cpu" else "GPU"
+    resource = "CPU" if device == "cpu" else "GPU"
     counts = [int(node["Resources"].get(resource, 0)) for node in ray.nodes() if node["Alive"]]
     counts = [count for count in counts if count > 0]
     if not counts:
-        raise ConfigError(f"cluster.device is {config.cluster.device} but no Ray node has any {resource}")
-    return config.cluster.num_devices or min(counts), len(counts)
+        raise ConfigError(f"cluster.device is {device} but no Ray node has any {resource}")
+    return num_devices or min(counts), len(counts)
 
 
-def roles_needed(config: RunConfig) -> list[str]:
-    roles = ["actor_train", "actor_infer"]
-    if config.algorithm.needs_reference and config.roles.actor_train.lora is None:
-        roles.append("reference")  # with LoRA the reference is the base model inside actor_train
-    if config.algorithm.needs_critic:
-        roles.append("critic")
-    return roles
-
-
-def create_role_workers(config: RunConfig) -> RoleWorkers:
-    """Plan the placement, start every role's workers and wait until they are ready (construction errors
-    such as a bad model path surface here, not at the first call)."""
-    from rollflow.workers.actor_train import ActorTrainWorker
-    from rollflow.workers.critic import CriticWorker
-    from rollflow.workers.reference import ReferenceWorker
-    from rollflow.workers.rollout import RolloutWorker
-
-    devices_per_node, num_nodes = cluster_shape(config)
-    plan = plan_placement(config, roles_needed(config), devices_per_node, num_nodes)
-    bundles = _reserve(plan)
-
-    def start(role: str, worker_class, *args) -> WorkerGroup:
-        placements = plan.workers[role]
-        remote_class = ray.remote(worker_class)
-        handles = [remote_class.options(**_actor_options(bundles, p)).remote(config, p, *args)
-                   for p in placements]
-        return WorkerGroup(role, handles, placements)
-
-    world_size = len(plan.workers["actor_train"])
-    actor_train = start("actor_train", ActorTrainWorker, world_size)
-    actor_infer = start("actor_infer", RolloutWorker)
-    reference = start("reference", ReferenceWorker) if "reference" in plan.workers else None
-    critic = start("critic", CriticWorker) if "critic" in plan.workers else None
-    workers = RoleWorkers(plan, actor_train, actor_infer, reference, critic, bundles)
-    try:
-        ray.get([handle.__ray_ready__.remote() for group in workers.groups for handle in group.handles])
-        # Data-parallel ranks meet at rank 0's address, then build their backends together (collective).
-        master_addr, master_port = ray.get(actor_train.handles[0].rendezvous_address.remote())
-        ray.get(actor_train.call_async("init_backend", master_addr, master_port))
-        if config.cluster.weight_sync_transport == "broadcast":
-            _open_broadcast(actor_train, actor_infer)
-    except Exception:
-        workers.shutdown()
-        raise
-    return workers
-
-
-def _open_broadcast(actor_train: WorkerGroup, actor_infer: WorkerGroup) -> None:
-    """Form the weight-broadcast group: trainer rank 0 hosts it, engine worker i joins as rank i + 1."""
-    trainer = actor_train.handles[0]
-    host, port = ray.get(trainer.rendezvous_address.remote())
-    world_size = len(actor_infer) + 1
-    ray.get([trainer.open_broadcast.remote(host, port, world_size),
-             *[engine.open_broadcast.remote(host, port, rank + 1, world_size)
-               for rank, engine in enumerate(actor_infer.handles)]])
-
-
-def _reserve(plan: PlacementPlan) -> PlacementGroup | None:
-    """One placement-group bundle per node holding all of its devices, each bundle on its own node."""
+def reserve_bundles(plan: PlacementPlan) -> PlacementGroup | None:
+    """One placement-group bundle per node holding all of its devices, each bundle on its own node; None when
+    the plan places nothing."""
     if not plan.placed:
         return None
     resource = "CPU" if plan.device == "cpu" else "GPU"
@@ -193,9 +203,15 @@ def _actor_options(bundles: PlacementGroup | None, placement: WorkerPlacement) -
     return options
 
 
-def reference_config(config: RunConfig) -> RunConfig:
-    """The config the reference worker sees: `model.path` replaced by `roles.reference.model_path` if set."""
-    teacher = config.roles.reference.model_path
-    if teacher is None:
-        return config
-    return config.model_copy(update={"model": config.model.model_copy(update={"path": teacher})})
+def root_cause(error: BaseException) -> str:
+    """The exception a failed actor constructor raised, as `Type: first line of its message`.
+
+    Ray reports it as text: a traceback whose first unindented line after the last `File "..."` frame is
+    the original `module.Type: message`.
+    """
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    for line in lines[frames[-1] + 1:] if frames else []:
+        if line and not line[0].isspace():
+            return re.sub(r"^[\w.]+\.(?=\w+: )", "", line)  # drop the module path of the type
+    return lines[0] if lines else type(error).__name__

@@ -10,21 +10,25 @@ affinity to its slots.
 Without any `device_mapping` (the CPU default) nothing is placed: every worker may run on the first node,
 uses `num_cpus` threads, and all roles time-share the machine.
 
-This module is pure: it validates the config against a cluster shape and describes the plan; Ray placement
-groups are created from the plan in `rollflow.cluster.groups`.
+This module is pure and names no role: it validates role specs against a cluster shape and describes the
+plan; Ray placement groups are created from the plan in `rollflow.cluster.groups`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from rollflow.config import RunConfig
 from rollflow.errors import ConfigError
 
-ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
-# Roles that follow actor_train's devices when they have no device_mapping of their own (ROLL colocates
-# the reference and the critic with the trainer by default).
-FOLLOWS_ACTOR_TRAIN = ("reference", "critic")
+
+class RoleSpec(Protocol):
+    """What the plan reads of a role's config section (`rollflow.config.RoleConfig` has these)."""
+
+    num_workers: int
+    num_cpus: float
+    device_mapping: list[int] | None
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,14 @@ class PlacementPlan:
         return bool(devices_a & devices_b)
 
     def colocation_groups(self) -> list[list[str]]:
-        """Roles joined by shared devices (connected components), in ROLES order."""
+        """Roles joined by shared devices (connected components), in the plan's role order."""
+        order = list(self.workers)
         groups: list[list[str]] = []
-        for role in (r for r in ROLES if r in self.workers):
+        for role in order:
             joined = [g for g in groups if any(self.colocated(role, other) for other in g)]
             merged = [role] + [r for g in joined for r in g]
-            groups = [g for g in groups if g not in joined] + [sorted(merged, key=ROLES.index)]
-        return sorted(groups, key=lambda g: ROLES.index(g[0]))
+            groups = [g for g in groups if g not in joined] + [sorted(merged, key=order.index)]
+        return sorted(groups, key=lambda g: order.index(g[0]))
 
     def describe(self) -> str:
         """A human-readable table of the plan (what `rollflow train --print-plan` prints)."""
@@ -104,12 +109,16 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def plan_placement(config: RunConfig, roles: list[str], devices_per_node: int, num_nodes: int = 1) -> PlacementPlan:
-    """Validate `config.roles` for the roles this run starts and place their workers.
+def plan_placement(roles: Mapping[str, RoleSpec], device: str, devices_per_node: int,
+                   num_nodes: int = 1) -> PlacementPlan:
+    """Validate each role's workers and devices against a cluster shape and place them.
+
+    Which roles a run has, and what a role without a `device_mapping` shares, is the caller's business
+    (`rollflow.workers.roles.plan_roles`); this function only checks and places what it is given.
 
     Args:
-        config: the run config.
-        roles: the roles this run starts (e.g. without "critic" unless the advantage is gae).
+        roles: role name -> its spec (`num_workers`, `num_cpus`, `device_mapping`), in start order.
+        device: "cpu" or "gpu" (what a device index names).
         devices_per_node: CPU slots (device "cpu") or GPUs (device "gpu") on each node.
         num_nodes: nodes in the cluster.
 
@@ -119,25 +128,11 @@ def plan_placement(config: RunConfig, roles: list[str], devices_per_node: int, n
     Raises:
         ConfigError: one line saying which setting to change.
     """
-    device = config.cluster.device
     total = devices_per_node * num_nodes
-    mappings = {role: getattr(config.roles, role).device_mapping for role in roles}
-    if any(m is not None for m in mappings.values()):
-        for core in ("actor_train", "actor_infer"):
-            if core in roles and mappings[core] is None:
-                raise ConfigError(f"roles.{core}.device_mapping is missing: once any role has a device_mapping, "
-                                  "actor_train and actor_infer need one too")
-        for role in FOLLOWS_ACTOR_TRAIN:
-            if role in roles and mappings[role] is None:
-                mappings[role] = mappings["actor_train"]
-    elif device == "gpu":
-        raise ConfigError("cluster.device is gpu but no role has a device_mapping; give actor_train and "
-                          "actor_infer one (e.g. device_mapping: [0, 1, 2, 3])")
     plan = PlacementPlan(device, devices_per_node, num_nodes)
-    for role in roles:
-        role_config = getattr(config.roles, role)
-        plan.workers[role] = _place_role(role, role_config.num_workers, role_config.num_cpus, mappings[role],
-                                         device, devices_per_node, total)
+    for role, spec in roles.items():
+        plan.workers[role] = _place_role(role, spec.num_workers, spec.num_cpus, spec.device_mapping, device,
+                                         devices_per_node, total)
     return plan
 
 

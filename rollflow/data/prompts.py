@@ -18,11 +18,12 @@ from rollflow.errors import DataError
 Row = dict[str, Any]
 
 
-def load_rows(task: str | None = None, path: str | None = None, split: str = "train", seed: int = 0,
+def load_rows(task: str | None = None, path: str | None = None, split: str = "train",
               limit: int | None = None, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
     """Load dataset rows from a built-in `task` (its `split`) or a JSONL file at `path`.
 
-    When `answer_key` is not "answer", its column is also exposed as `answer` (what rewards read).
+    A built-in task's split is fixed (the same held-out rows for every run, whatever its seed). When
+    `answer_key` is not "answer", its column is also exposed as `answer` (what rewards read).
 
     Raises:
         DataError: unknown task, missing / unreadable file, bad JSON line, missing prompt column, no rows.
@@ -49,6 +50,12 @@ def load_rows(task: str | None = None, path: str | None = None, split: str = "tr
     if answer_key != "answer":
         rows = [{**row, "answer": row[answer_key]} if answer_key in row else row for row in rows]
     return rows
+
+
+def load_dataset(dataset, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
+    """Rows of one configured dataset (a `data.train` / `data.eval` section: `task`, `path`, `split`,
+    `limit`), with the config's column names. See `load_rows`."""
+    return load_rows(dataset.task, dataset.path, dataset.split, dataset.limit, prompt_key, answer_key)
 
 
 def _read_jsonl(path: Path) -> list[Row]:

@@ -21,7 +21,7 @@ class SampleStatus(str, enum.Enum):
     TRUNCATED = "truncated"  # hit max_new_tokens
     ABORTED = "aborted"  # aborted by the scheduler (partial rollout, over-provisioning)
     FAILED = "failed"  # engine, env or reward error
-    FILTERED = "filtered"  # dropped by a filter (dynamic sampling, length)
+    FILTERED = "filtered"  # dropped by a filter (the difficulty mask; dynamic sampling, length)
 
 
 @dataclass
@@ -37,7 +37,8 @@ class Sample:
         group_id: samples of one prompt / env seed share it.
         reward: the scalar training reward (weighted sum of `rewards`).
         rewards: each reward function's value, by name (logged separately).
-        step_rewards: per-turn rewards for multi-turn trajectories.
+        step_rewards: per-turn rewards for multi-turn trajectories. Reserved: nothing fills or reads it until
+            the agentic pipeline (step-level advantages, GiGPO) does.
         domain: dataset domain / tag, for per-domain metrics and sampling.
         status: how generation ended.
         prompt_text / response_text: decoded text, for rewards and logs.
@@ -88,7 +89,8 @@ class Batch:
         position_ids: [B, P + T] positions counted from each row's first real token.
         response_mask: [B, T] 1 on response tokens that are trained on (loss_mask and not padding).
         rollout_logprobs: [B, T] the engine's logprobs (0 on padding).
-        policy_versions: [B, T] sampling policy version per token (-1 on padding / env tokens).
+        policy_versions: [B, T] sampling policy version per token (-1 on padding / env tokens). Reserved:
+            carried from the engines but read by nothing until asynchronous training bounds staleness with it.
         rewards: [B] scalar reward per sample.
         group_ids: [B] group id per sample.
         response_lengths: [B] number of response tokens (model and env), before padding.

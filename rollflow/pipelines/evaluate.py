@@ -1,45 +1,42 @@
-"""`rollflow eval`: greedy decoding of a model on an eval dataset, scored with the config's rewards."""
+"""`rollflow eval`: greedy decoding of a model on an eval dataset, scored with the config's rewards.
+
+It starts its workers the way every pipeline does (`rollflow.workers.roles.running_roles`): the
+`actor_infer` role, and the `reward` role when a reward needs a model.
+"""
 
 from __future__ import annotations
 
-import ray
-
-from rollflow.cluster.placement import WorkerPlacement
-from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
-from rollflow.config import RunConfig
-from rollflow.data.prompts import PromptEncoder
+from rollflow.cluster.runtime import pin_threads
+from rollflow.config import RLVRConfig
+from rollflow.data.prompts import PromptEncoder, load_dataset
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.rlvr_steps import build_reward_fn, load_dataset, rollout_metrics, write_samples
+from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
-from rollflow.workers.rollout import RolloutWorker
+from rollflow.trackers.samples import write_samples
+from rollflow.workers.reward import build_reward_fn, model_rewards
+from rollflow.workers.roles import running_roles
 
 
-def run_eval(config: RunConfig) -> dict[str, float]:
+def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """Greedy accuracy and reward of `config.model` on `config.data.eval`; writes eval samples to the run dir."""
     pin_threads(1)
     data = config.data
     if data.eval is None:
         raise ConfigError("no eval dataset: set data.eval (or pass --data FILE.jsonl)")
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    rows = load_dataset(data.eval, data, config.seed)
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
-    prompts = [encoder.encode(row) for row in rows]
-    reward_fn = build_reward_fn(config.reward, config.roles.reward, config.cluster.device)
-    start_ray(config.cluster.address, config.cluster.num_cpus)
-    try:
-        role = config.roles.actor_infer
-        threads = max(1, int(role.num_cpus))
-        placements = [WorkerPlacement("actor_infer", i, (), None, (), threads) for i in range(role.num_workers)]
-        workers = [ray.remote(num_cpus=0)(RolloutWorker).remote(config, p) for p in placements]
-        scheduler = RolloutScheduler(workers, reward_fn,
-                                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    prompts = [encoder.encode(row) for row in load_dataset(data.eval, data.prompt_key, data.answer_key)]
+    rewards = model_rewards(config.reward)
+    roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
+    with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
+        reward_fn = build_reward_fn(config.reward, groups.get("reward"))
+        scheduler = RolloutScheduler(groups["actor_infer"].handles, reward_fn,
+                                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                     config.roles.actor_infer.max_in_flight_requests)
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
         samples = scheduler.generate(prompts, greedy).samples
-    finally:
-        reward_fn.close()
-        stop_ray()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples))
     return rollout_metrics(samples, prefix="eval")

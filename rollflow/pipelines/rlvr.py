@@ -1,45 +1,65 @@
 """RLVR pipeline: generate -> reward -> advantage -> train -> sync -> eval, one step at a time.
 
 The driver (single controller) owns the loop; each role runs in its own Ray actor. Optional roles:
-`reference` (KL terms, the opd teacher) and `critic` (values for GAE).
+`reference` (KL terms, the opd teacher), `critic` (values for GAE) and `reward` (model rewards).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import time
 from pathlib import Path
 
-import ray
-import torch
-
 from rollflow.cluster.colocation import ColocationManager
-from rollflow.cluster.groups import RoleWorkers, cluster_shape, create_role_workers, roles_needed
-from rollflow.cluster.placement import plan_placement
-from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
-from rollflow.config import RunConfig, dump_config
-from rollflow.data.prompts import PromptEncoder, PromptSampler
-from rollflow.data.sample import Batch, collate
+from rollflow.cluster.groups import WorkerGroups
+from rollflow.cluster.runtime import pin_threads
+from rollflow.config import RLVRConfig
+from rollflow.data.prompts import PromptEncoder, PromptSampler, load_dataset
+from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.rlvr_steps import (
-    AdvantageStage,
-    build_reward_fn,
-    check_logprob_parity,
-    drop_groups,
-    load_dataset,
-    rollout_metrics,
-    usable,
-    write_samples,
+from rollflow.pipelines.phases import evaluate, sync_weights
+from rollflow.pipelines.run_directory import (
+    prepare_run_dir,
+    read_driver_state,
+    write_driver_state,
+    write_placement,
 )
+from rollflow.rollout.filters import filter_by_difficulty, usable
+from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
+from rollflow.trackers.samples import write_samples
+from rollflow.workers.advantages import AdvantageStage
+from rollflow.workers.parity import check_logprob_parity, parity_probe
+from rollflow.workers.reward import build_reward_fn, model_rewards
+from rollflow.workers.roles import forward_rows, running_roles
+
+# The roles each phase of a step runs (what `ColocationManager` onloads; colocated idle roles are offloaded).
+PHASES: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_infer", "reward"),  # model rewards score groups while others generate
+    "reference": ("reference",),
+    "old_logprobs": ("actor_train",),
+    "values": ("critic",),
+    "critic_train": ("critic",),
+    "actor_train": ("actor_train",),
+    "weight_sync": ("actor_train", "actor_infer"),  # the trainer exports, the engines load
+}
 
 
-def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
+def rlvr_roles(config: RLVRConfig) -> list[str]:
+    """The roles an RLVR run starts, in start order."""
+    roles = ["actor_train", "actor_infer"]
+    if config.algorithm.needs_reference and config.roles.actor_train.lora is None:
+        roles.append("reference")  # with LoRA the reference is the base model inside actor_train
+    if config.algorithm.needs_critic:
+        roles.append("critic")
+    if model_rewards(config.reward):
+        roles.append("reward")
+    return roles
+
+
+def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """Train with RL on verifiable rewards. Returns the final metrics (incl. initial/final eval accuracy).
 
     Args:
@@ -49,209 +69,137 @@ def run_rlvr(config: RunConfig, manage_ray: bool = True) -> dict[str, float]:
     """
     pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    data = config.data
-    train_rows = load_dataset(data.train, data, config.seed)
-    eval_rows = load_dataset(data.eval, data, config.seed) if data.eval else []
+    data, rollout, output = config.data, config.rollout, config.output
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
+    train_rows = load_dataset(data.train, data.prompt_key, data.answer_key)
+    eval_rows = load_dataset(data.eval, data.prompt_key, data.answer_key) if data.eval else []
     eval_prompts = [encoder.encode(row) for row in eval_rows]
-    reward_fn = build_reward_fn(config.reward, config.roles.reward, config.cluster.device)
-    sampler = PromptSampler(train_rows, config.rollout.prompts_per_step, config.seed, data.shuffle)
+    sampler = PromptSampler(train_rows, rollout.prompts_per_step, config.seed, data.shuffle)
+    role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
+    resume_from = prepare_run_dir(config)
 
-    run_dir = config.run_dir
-    checkpoints = run_dir / "checkpoints"
-    resume_from = _latest_checkpoint(checkpoints) if config.resume else None
-    if not resume_from and run_dir.exists():
-        for stale in ("metrics.jsonl", "samples.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
-
-    with _running(config, manage_ray, reward_fn) as workers:
-        algorithm, checks, output = config.algorithm, config.checks, config.output
-        tracker = MetricsTracker(run_dir, config.output.trackers, config.train.steps)
-        tracker.print(workers.plan.describe())
-        write_placement(run_dir / "placement.json", workers)
-        colocation = ColocationManager(workers.plan, {g.role: g for g in workers.groups})
-        advantages = AdvantageStage(algorithm, config.rollout.max_new_tokens)
-        scheduler = RolloutScheduler(workers.actor_infer.handles, reward_fn, _decoder(tokenizer),
+    with running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups:
+        tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps)
+        tracker.print(groups.plan.describe())
+        write_placement(config.run_dir / "placement.json", groups)
+        colocation = ColocationManager(groups.plan, dict(groups), PHASES)
+        advantages = AdvantageStage(config.algorithm, rollout.max_new_tokens)
+        reward_fn = build_reward_fn(config.reward, groups.get("reward"))
+        scheduler = RolloutScheduler(groups["actor_infer"].handles, reward_fn, _decoder(tokenizer),
                                      config.roles.actor_infer.max_in_flight_requests)
-        rollout = config.rollout
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                                   n=rollout.samples_per_prompt)
         greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
-        bucket_bytes = int(config.cluster.weight_sync_bucket_mb * 2**20)
-        syncs = 0
-
-        def sync_weights() -> dict[str, float]:
-            nonlocal syncs
-            syncs += 1
-            colocation.enter("weight_sync")
-            started = time.perf_counter()
-            corrupt = syncs == checks.fault_injection_flip_sync_byte_at
-            manifest = workers.actor_train.call("weights_for_sync", bucket_bytes, corrupt)
-            sending = workers.actor_train.handles[0].send_weights.remote()  # broadcast transport only
-            # each engine checks the checksum: a corrupted transfer raises WeightSyncError, stopping the run
-            loaded = ray.get(workers.actor_infer.call_async("update_weights", manifest))
-            ray.get(sending)
-            return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
-                    "sync/buckets": manifest.num_buckets, "sync/version": manifest.version,
-                    "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
-
-        def train_on(batch: Batch, step: int) -> dict[str, float]:
-            """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
-            if algorithm.needs_reference and workers.reference is None:  # LoRA: the base model, adapters off
-                colocation.enter("old_logprobs")
-                batch.extras["ref_logprobs"] = workers.actor_train.call("compute_reference_logprobs", batch)
-            elif workers.reference is not None:
-                colocation.enter("reference")
-                batch.extras["ref_logprobs"] = workers.reference.map_rows("compute_logprobs", batch)
-            if advantages.needs_policy_logprobs:
-                colocation.enter("old_logprobs")
-                batch.extras["old_logprobs"] = workers.actor_train.call("compute_logprobs", batch)
-            if workers.critic is not None:
-                colocation.enter("values")
-                batch.extras["values"] = workers.critic.call("compute_values", batch)
-            metrics = advantages(batch)
-            if workers.critic is not None:
-                colocation.enter("critic_train")
-                metrics.update(workers.critic.call("train", batch))
-            if step > config.train.critic_warmup_steps:
-                colocation.enter("actor_train")
-                metrics.update(workers.actor_train.call("train", batch))
-            return metrics
-
-        def evaluate() -> dict[str, float]:
-            if not eval_prompts:
-                return {}
-            colocation.enter("rollout")
-            return rollout_metrics(scheduler.generate(eval_prompts, greedy).samples, prefix="eval")
-
-        first_step, initial_eval = 0, {}
+        sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
+        first_step, initial_eval, syncs = 0, {}, 0
         if resume_from:
-            state = json.loads((resume_from / "driver_state.json").read_text())
-            workers.actor_train.call("load", str(resume_from / "model"), state["step"])
-            if workers.critic is not None:
-                workers.critic.call("load", str(resume_from / "critic"))
-            sampler.load_state(state["sampler"])
-            advantages.load_state(state.get("advantage_stage"))
-            first_step, initial_eval = state["step"], state.get("initial_eval", {})
-            sync_weights()
+            first_step, initial_eval = load_checkpoint(resume_from, groups, sampler, advantages)
+            sync_weights(groups, colocation, *sync_args)
             tracker.print(f"resumed from {resume_from} at step {first_step}")
         if not initial_eval:
-            initial_eval = evaluate()
+            initial_eval = evaluate(scheduler, colocation, eval_prompts, greedy)
             tracker.log(first_step, initial_eval)
             tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
 
         metrics: dict[str, float] = {}
         for step in range(first_step + 1, config.train.steps + 1):
-            step_started = time.perf_counter()
-            prompts = [encoder.encode(row) for row in sampler.next_batch()]
+            started = time.perf_counter()
             colocation.enter("rollout")
-            result = scheduler.generate(prompts, sampling)
-            samples = usable(result.samples)
-            batch = collate(samples, tokenizer.pad_token_id)
+            result = scheduler.generate([encoder.encode(row) for row in sampler.next_batch()], sampling)
             metrics = {**result.metrics, **rollout_metrics(result.samples)}
-            if step == first_step + 1 and checks.logprob_parity_samples:
-                probe = batch.select(torch.tensor(parity_probe(samples, checks.logprob_parity_samples)))
-                colocation.enter("old_logprobs")
-                trainer_logprobs = workers.actor_train.call("compute_logprobs", probe)
-                metrics["check/logprob_max_abs_diff"] = check_logprob_parity(
-                    probe, trainer_logprobs, checks.logprob_parity_tolerance)
-            batch, filter_metrics = drop_groups(batch, algorithm)  # difficulty mask; may drop every group
-            metrics.update(filter_metrics)
-            if batch.size:
-                metrics.update(train_on(batch, step))
-            metrics.update(sync_weights())
+            if step == first_step + 1 and config.checks.logprob_parity_samples:
+                metrics.update(logprob_parity(result.samples, groups, colocation, config, tokenizer.pad_token_id))
+            metrics.update(filter_by_difficulty(result.samples, config.algorithm.difficulty_mask))
+            batch_samples = usable(result.samples)
+            metrics["train/usable_samples"] = float(len(batch_samples))
+            if batch_samples:  # a step whose samples all failed or were filtered trains nothing and goes on
+                batch = collate(batch_samples, tokenizer.pad_token_id)
+                metrics.update(train_on(batch, step, groups, colocation, advantages, config))
+                syncs += 1
+                corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
+                metrics.update(sync_weights(groups, colocation, *sync_args, corrupt))
             metrics.update(colocation.pop_metrics())
             if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
-                metrics.update(evaluate())
-            metrics["time/step"] = time.perf_counter() - step_started
+                metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy))
+            metrics["time/step"] = time.perf_counter() - started
             tracker.log(step, metrics)
-            write_samples(run_dir / "samples.jsonl", step, result.samples, output.samples_logged_per_step)
+            write_samples(config.run_dir / "samples.jsonl", step, result.samples, output.samples_logged_per_step)
             if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
-                _save_checkpoint(checkpoints / f"step_{step}", workers, step, sampler, advantages,
-                                 initial_eval)
+                save_checkpoint(config.run_dir / "checkpoints" / f"step_{step}", groups, step, sampler,
+                                advantages, initial_eval)
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
         if "eval/accuracy" in final and "initial_eval/accuracy" in final:
             tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
                           f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
         tracker.close()
-        plot_curves(run_dir)
+        plot_curves(config.run_dir)
     return final
 
 
-@contextlib.contextmanager
-def _running(config: RunConfig, manage_ray: bool, reward_fn):
-    """Start Ray (if managed), the model rewards' workers and every role's workers; on the way out, normal
-    or not, stop them all."""
-    if manage_ray:
-        start_ray(config.cluster.address, config.cluster.num_cpus)
-    workers = None
-    try:
-        reward_fn.start(wait=False)  # a judge model loads while the other workers start
-        workers = create_role_workers(config)
-        yield workers
-    finally:
-        reward_fn.close()
-        if workers is not None:
-            workers.shutdown()
-        if manage_ray:
-            stop_ray()
+def train_on(batch, step: int, groups: WorkerGroups, colocation: ColocationManager, advantages: AdvantageStage,
+             config: RLVRConfig) -> dict[str, float]:
+    """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
+    algorithm, actor = config.algorithm, groups["actor_train"]
+    if algorithm.needs_reference and "reference" not in groups:  # LoRA: the base model, adapters off
+        colocation.enter("old_logprobs")
+        batch.extras["ref_logprobs"] = actor.call("compute_reference_logprobs", batch)
+    elif "reference" in groups:
+        colocation.enter("reference")
+        batch.extras["ref_logprobs"] = forward_rows(groups["reference"], config.roles.reference.backend,
+                                                    "compute_logprobs", batch)
+    if advantages.needs_policy_logprobs:
+        colocation.enter("old_logprobs")
+        batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
+    if "critic" in groups:
+        colocation.enter("values")
+        batch.extras["values"] = groups["critic"].call("compute_values", batch)
+    metrics = advantages(batch)
+    if "critic" in groups:
+        colocation.enter("critic_train")
+        metrics.update(groups["critic"].call("train", batch))
+    if step > config.train.critic_warmup_steps:
+        colocation.enter("actor_train")
+        metrics.update(actor.call("train", batch))
+    return metrics
 
 
-def describe_plan(config: RunConfig) -> str:
-    """The placement plan of `config` as `rollflow train --print-plan` prints it. Joins the Ray cluster
-    when `cluster.address` is set (to count its nodes); otherwise plans for this machine without Ray."""
-    if config.cluster.address:
-        start_ray(config.cluster.address)
-        try:
-            devices_per_node, num_nodes = cluster_shape(config)
-        finally:
-            stop_ray()
-    else:
-        local = len(os.sched_getaffinity(0)) if config.cluster.device == "cpu" else torch.cuda.device_count()
-        devices_per_node, num_nodes = config.cluster.num_devices or config.cluster.num_cpus or local, 1
-    return plan_placement(config, roles_needed(config), devices_per_node, num_nodes).describe()
+def logprob_parity(samples: list[Sample], groups: WorkerGroups, colocation: ColocationManager,
+                   config: RLVRConfig, pad_token_id: int) -> dict[str, float]:
+    """The first step's check that the trainer and every engine worker run the same model (`ParityError`)."""
+    candidates = usable(samples)
+    probe = [candidates[i] for i in parity_probe(candidates, config.checks.logprob_parity_samples)]
+    if not probe:
+        return {}
+    batch = collate(probe, pad_token_id)
+    colocation.enter("old_logprobs")
+    trainer_logprobs = groups["actor_train"].call("compute_logprobs", batch)
+    return {"check/logprob_max_abs_diff": check_logprob_parity(
+        batch, trainer_logprobs, config.checks.logprob_parity_tolerance)}
 
 
-def _save_checkpoint(path: Path, workers: RoleWorkers, step: int, sampler: PromptSampler,
-                     advantages: AdvantageStage, initial_eval: dict) -> None:
+def save_checkpoint(path: Path, groups: WorkerGroups, step: int, sampler: PromptSampler,
+                    advantages: AdvantageStage, initial_eval: dict) -> None:
     """Model (HF format) + optimizer/RNG from the trainer (and critic); step, data position, reward and KL
     statistics from the driver."""
     path.mkdir(parents=True, exist_ok=True)
-    workers.actor_train.call("save", str(path / "model"))
-    if workers.critic is not None:
-        workers.critic.call("save", str(path / "critic"))
-    state = {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
-             "initial_eval": initial_eval}
-    (path / "driver_state.json").write_text(json.dumps(state))
+    groups["actor_train"].call("save", str(path / "model"))
+    if "critic" in groups:
+        groups["critic"].call("save", str(path / "critic"))
+    write_driver_state(path, {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
+                              "initial_eval": initial_eval})
 
 
-def _latest_checkpoint(checkpoints: Path) -> Path | None:
-    done = [p for p in checkpoints.glob("step_*") if (p / "driver_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
-
-
-def parity_probe(samples: list, count: int) -> list[int]:
-    """Row indices of up to `count` samples per inference-engine worker, so the step-0 logprob check
-    covers every engine."""
-    taken: dict[int, int] = {}
-    rows = []
-    for row, sample in enumerate(samples):
-        worker = sample.metadata.get("worker", 0)
-        if taken.get(worker, 0) < count:
-            taken[worker] = taken.get(worker, 0) + 1
-            rows.append(row)
-    return rows
-
-
-def write_placement(path: Path, workers: RoleWorkers) -> None:
-    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices."""
-    placement = {group.role: [{"worker": p.index, "node": node, "devices": list(p.devices)}
-                              for p, node in zip(group.placements, group.nodes())]
-                 for group in workers.groups}
-    path.write_text(json.dumps(placement, indent=1))
+def load_checkpoint(path: Path, groups: WorkerGroups, sampler: PromptSampler,
+                    advantages: AdvantageStage) -> tuple[int, dict]:
+    """Restore what `save_checkpoint` wrote. Returns (the step it was taken at, the run's initial eval)."""
+    state = read_driver_state(path)
+    groups["actor_train"].call("load", str(path / "model"), state["step"])
+    if "critic" in groups:
+        groups["critic"].call("load", str(path / "critic"), state["step"])
+    sampler.load_state(state["sampler"])
+    advantages.load_state(state.get("advantage_stage"))
+    return state["step"], state.get("initial_eval", {})
 
 
 def _decoder(tokenizer):

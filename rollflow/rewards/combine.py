@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from rollflow.rewards.registry import Row, ScoreError
+from rollflow.rewards.registry import RewardLoadError, Row, ScoreError
 
 Outcome = tuple[float, dict[str, float]] | Exception  # one sample's (total, parts), or why it failed
 
@@ -222,18 +222,18 @@ def combine_rewards(rewards: Sequence[tuple[str, Any, float]]) -> CombinedReward
         rewards.
     """
     if not rewards:
-        raise ValueError("combine_rewards needs at least one (name, fn, weight)")
+        raise RewardLoadError("combine_rewards needs at least one (name, fn, weight)")
     names = [name for name, _, _ in rewards]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(f"reward names must be unique; repeated: {', '.join(duplicates)}")
+        raise RewardLoadError(f"reward names must be unique; repeated: {', '.join(duplicates)}")
     for name, fn, weight in rewards:
         if "/" in name:
-            raise ValueError(f"reward name {name!r} must not contain '/' (used for dict entries)")
+            raise RewardLoadError(f"reward name {name!r} must not contain '/' (used for dict entries)")
         if not callable(fn) and not isinstance(fn, GroupReward):
-            hint = (" (a model reward: build it with rollflow.pipelines.rlvr_steps.build_reward_fn, which "
+            hint = (" (a model reward: build it with rollflow.workers.reward.build_reward_fn, which "
                     "starts its reward workers)" if hasattr(fn, "scorer") else "")
             raise TypeError(f"reward {name!r} is not callable{hint}")
         if not math.isfinite(float(weight)):
-            raise ValueError(f"reward {name!r} has a non-finite weight {weight!r}")
+            raise RewardLoadError(f"reward {name!r} has a non-finite weight {weight!r}")
     return CombinedReward([(name, fn, float(weight)) for name, fn, weight in rewards])

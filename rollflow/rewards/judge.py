@@ -313,6 +313,16 @@ class LLMJudge:
             answers.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
         return answers
 
+    def offload(self) -> None:
+        """Free the judge's device memory while a colocated role runs (the engine sleeps)."""
+        self.engine.sleep()
+
+    def onload(self) -> None:
+        self.engine.wake()
+
+    def close(self) -> None:
+        self.engine.close()
+
     async def score_group(self, completions: list[str], rows: list[Row]) -> list[dict[str, float] | ScoreError]:
         """One `{"reward", "parse_failed"}` dict (or `ScoreError`) per completion."""
         prompts: dict[int, str] = {}
@@ -421,6 +431,10 @@ class HTTPJudge:
                 return {"reward": 0.0, "parse_failed": 0.0, "call_failed": 1.0}
             return ScoreError(str(error))
         return {**judge_value(answer, self.options.max_score, self.pattern), "call_failed": 0.0}
+
+    def close(self) -> None:
+        """Stop the request pool (calls in flight finish; none waits for new work)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def score_group(self, completions: list[str], rows: list[Row]) -> list[dict[str, float] | ScoreError]:
         """Every sample's call goes to the pool at once; at most `max_concurrency` run together."""

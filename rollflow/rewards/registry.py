@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rollflow.errors import RollflowError
 from rollflow.registry import Registry, import_object
 
 RewardFn = Callable[..., "float | dict[str, float]"]
@@ -82,11 +83,11 @@ class ModelReward:
         return import_object(self.scorer)(self.options, device=device)
 
 
-class RewardLoadError(ValueError):
+class RewardLoadError(RollflowError, ValueError):
     """A reward spec that names no registered reward and no importable function (one-line message)."""
 
 
-class MissingColumnError(ValueError):
+class MissingColumnError(RollflowError, ValueError):
     """A reward needs a dataset column that the row does not carry."""
 
 

@@ -115,6 +115,18 @@ class RewardModelScorer:
         self.max_tokens = options.max_tokens or getattr(self.model.config, "max_position_embeddings", None)
         self.normalize = SCORE_NORMALIZATIONS.get(options.normalize)
 
+    def offload(self) -> None:
+        """Move the model to host memory while a colocated role runs (nothing moves on CPU)."""
+        if self.device.type != "cpu":
+            import torch
+
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+
     def encode(self, completion: str, row: Row) -> list[int]:
         prompt = row.get(self.options.prompt_key)
         if prompt is None:

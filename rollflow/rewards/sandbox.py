@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from rollflow.errors import RollflowError
 from rollflow.rewards.sandbox_cgroup import RunCgroup
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class SandboxResult:
         return self.returncode == 0 and not self.timed_out and not self.output_limited
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(RollflowError, RuntimeError):
     """The required isolation level is not available on this machine."""
 
 

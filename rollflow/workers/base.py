@@ -1,19 +1,22 @@
-"""What every role worker shares: pinning to its placement, reporting where it runs, and the offload /
-onload state of colocated roles (`rollflow.cluster.colocation`)."""
+"""What every role worker shares: pinning to its placement, reporting where it runs, the offload / onload
+state of colocated roles (`rollflow.cluster.colocation`), the rendezvous of data-parallel ranks, and
+`close()` at shutdown."""
 
 from __future__ import annotations
 
+import os
 import time
 
+from rollflow.backends.base import TrainerSettings
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.cluster.runtime import memory_usage, pin_worker
+from rollflow.cluster.runtime import free_port, memory_usage, pin_worker
 
 
 class PlacedWorker:
     """Base of the role workers (one level of inheritance): pins the process to its devices and threads.
 
-    Subclasses holding a backend get `offload()` / `onload()` for free (they call the backend's); they call
-    `require_resident(op)` before using the model.
+    Subclasses holding a backend (or an engine, via `_move`) get `offload()` / `onload()` and `close()` for
+    free; they call `require_resident(op)` before using the model.
 
     Args:
         placement: where this worker runs (from the placement plan).
@@ -52,6 +55,40 @@ class PlacedWorker:
     def require_resident(self, operation: str) -> None:
         if not self.resident:
             raise RuntimeError(f"{type(self).__name__}.{operation} called while offloaded; onload() first")
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host, free port) of this worker, where rank 0 of a data-parallel role hosts the process-group
+        rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_ranks(self, master_addr: str, master_port: int, world_size: int) -> None:
+        """Describe this worker's process group torchrun-style (rank = worker index), for a backend that
+        joins one (fsdp2)."""
+        os.environ.update({"RANK": str(self.placement.index), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+
+    def close(self) -> None:
+        """Release what the backend holds (its process group, ...); called at shutdown before the kill."""
+        if self.backend is not None:
+            self.backend.close()
+
+
+def trainer_settings(config, **overrides) -> TrainerSettings:
+    """The backend settings every trainer role shares, from the run config; `overrides` are the role's own
+    (the critic's LR, the reference's frozen weights and model path, ...)."""
+    train = config.train
+    rollout = getattr(config, "rollout", None)  # the generation limit, for seq_mean_token_sum_norm
+    settings = dict(
+        model_path=config.model.path, dtype=config.model.dtype, trust_remote_code=config.model.trust_remote_code,
+        lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, warmup_steps=train.warmup_steps,
+        lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
+        max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
+        max_response_length=rollout.max_new_tokens if rollout is not None else None,
+        device=torch_device(config),
+    )
+    return TrainerSettings(**{**settings, **overrides})
 
 
 def torch_device(config) -> str:

@@ -13,10 +13,10 @@ import torch
 from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, clipped_value_loss
 from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.config import RunConfig
+from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.actor_train import train_mini_batches
-from rollflow.workers.base import PlacedWorker, torch_device
+from rollflow.workers.base import PlacedWorker, trainer_settings
+from rollflow.workers.objectives import train_mini_batches
 
 
 class CriticLoss:
@@ -52,33 +52,39 @@ class CriticLoss:
 
 
 class CriticWorker(PlacedWorker):
-    """One critic worker. Created as a Ray actor by `rollflow.cluster.groups` when advantage is `gae`."""
+    """One critic worker (a data-parallel rank with `roles.critic.backend: fsdp2`). Started by
+    `rollflow.workers.roles.start_roles` when the advantage is `gae`; `init_backend` builds the value model."""
 
-    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
         super().__init__(placement, config.cluster.device)
-        torch.manual_seed(config.seed)
-        train = config.train
-        self.backend = create_backend(
-            "torch", model_path=config.model.path, dtype=config.model.dtype,
-            lr=train.critic_lr, betas=train.betas, weight_decay=train.weight_decay,
-            warmup_steps=train.warmup_steps, max_grad_norm=train.max_grad_norm,
-            micro_batch_size=train.train_micro_batch_size, lr_schedule=train.lr_schedule,
-            total_steps=train.steps * train.optimizer_steps_per_step,
-            trust_remote_code=config.model.trust_remote_code,
-            max_response_length=config.rollout.max_new_tokens, value_head=True, device=torch_device(config),
-        )
+        self.config = config
         self.loss = CriticLoss(config.algorithm.loss_aggregation, config.algorithm.value_clip)
-        self.mini_batches = train.optimizer_steps_per_step
+        self.mini_batches = config.train.optimizer_steps_per_step
+        self.updates = 0  # critic updates so far: seeds each update's mini-batch split
+
+    def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
+        """Build the value model's backend; every rank calls this at the same time (a collective for fsdp2)."""
+        self.join_ranks(master_addr, master_port, world_size)
+        config = self.config
+        torch.manual_seed(config.seed)
+        role = config.roles.critic
+        settings = trainer_settings(config, lr=config.train.critic_lr, value_head=True)
+        self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """[B, T] values of the response tokens, aligned like logprobs (0 on padding)."""
+        self.require_resident("compute_values")
         return self.backend.forward_values(batch)
 
     def train(self, batch: Batch) -> dict[str, float]:
         """`optimizer_steps_per_step` optimizer steps on the clipped value loss (needs extras values and
         returns). Backend metrics (loss, grad_norm, lr) get the `critic/` prefix."""
+        self.require_resident("train")
         started = time.perf_counter()
-        metrics = train_mini_batches(self.backend, batch, self.loss, self.mini_batches)
+        # every rank must draw the same mini-batch split (see ActorTrainWorker.train)
+        shuffle = torch.Generator().manual_seed(self.config.seed * 100_019 + self.updates)
+        metrics = train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle)
+        self.updates += 1
         metrics = {key if key.startswith("critic/") else f"critic/{key}": value
                    for key, value in metrics.items()}
         metrics["time/critic_train"] = time.perf_counter() - started
@@ -87,5 +93,7 @@ class CriticWorker(PlacedWorker):
     def save(self, path: str) -> None:
         self.backend.save(path)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, updates: int) -> None:
+        """Restore a checkpoint written after `updates` critic updates (one per RL step)."""
         self.backend.load(path)
+        self.updates = updates

@@ -1,28 +1,40 @@
-"""`reference` role: a frozen copy of the initial policy, for KL regularization."""
+"""`reference` role: a frozen copy of the initial policy (KL terms), or the teacher of on-policy
+distillation (`roles.reference.model_path`)."""
 
 from __future__ import annotations
 
 import torch
 
 from rollflow.backends import create_backend
-from rollflow.cluster.groups import reference_config
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.config import RunConfig
+from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, torch_device
+from rollflow.workers.base import PlacedWorker, trainer_settings
 
 
 class ReferenceWorker(PlacedWorker):
-    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+    """A reference worker: with the torch backend an independent replica (the driver splits a batch's rows
+    over the replicas), with fsdp2 a rank of one sharded model (every rank gets the whole batch).
+
+    Args:
+        placement: where this worker runs.
+        config: the run config.
+    """
+
+    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
         super().__init__(placement, config.cluster.device)
-        config = reference_config(config)
-        self.backend = create_backend(
-            "torch", model_path=config.model.path, dtype=config.model.dtype,
-            micro_batch_size=config.train.train_micro_batch_size, trainable=False,
-            trust_remote_code=config.model.trust_remote_code, device=torch_device(config),
-        )
-        self.temperature = config.rollout.temperature
+        self.config = config
+        self.temperature = getattr(getattr(config, "rollout", None), "temperature", 1.0)
+
+    def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
+        """Build the frozen model (a collective for fsdp2 ranks)."""
+        self.join_ranks(master_addr, master_port, world_size)
+        role = self.config.roles.reference
+        settings = trainer_settings(self.config, model_path=role.model_path or self.config.model.path,
+                                    trainable=False)
+        self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] reference logprobs of the response tokens."""
+        self.require_resident("compute_logprobs")
         return self.backend.forward_logprobs(batch, self.temperature)

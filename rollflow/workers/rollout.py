@@ -1,24 +1,33 @@
-"""`actor_infer` role: an async Ray actor around an inference engine."""
+"""`actor_infer` role: an async Ray actor around an inference engine.
+
+It receives weight versions from the trainer and verifies their checksum bucket by bucket as the buckets
+arrive (`rollflow.cluster.weight_sync.WeightReceiver`); the engine only loads verified weights.
+"""
 
 from __future__ import annotations
 
 import time
 
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, assemble_weights
-from rollflow.config import RunConfig
+from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, WeightReceiver
+from rollflow.config import RunConfigBase
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
 from rollflow.workers.base import PlacedWorker, move_report, torch_device
 
 
 class RolloutWorker(PlacedWorker):
-    """Serves `generate` / `abort` concurrently (async actor) and loads synced weights."""
+    """Serves `generate` / `abort` concurrently (async actor) and loads synced weights.
 
-    def __init__(self, config: RunConfig, placement: WorkerPlacement):
+    Args:
+        placement: where this worker runs.
+        config: the run config (`roles.actor_infer`, `model`, `seed`).
+    """
+
+    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
         super().__init__(placement, config.cluster.device)
         role = config.roles.actor_infer
-        worker_index = self.worker_index = placement.index
+        self.worker_index = placement.index
         self.device = config.cluster.device
         self.broadcast: BroadcastGroup | None = None
         # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
@@ -26,7 +35,7 @@ class RolloutWorker(PlacedWorker):
         device = {"device": torch_device(config)} if on_device else {}
         self.engine = create_engine(
             role.engine, model_path=config.model.path, dtype=config.model.dtype,
-            max_batch_size=role.max_batch_size, seed=config.seed * 1000 + worker_index,
+            max_batch_size=role.max_batch_size, seed=config.seed * 1000 + self.worker_index,
             trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
         )
 
@@ -39,16 +48,23 @@ class RolloutWorker(PlacedWorker):
         self.engine.abort(request_ids)
 
     async def update_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Fetch the buckets of `manifest` (from `ActorTrainWorker.weights_for_sync`), verify the checksum,
-        load them into the engine. Returns the new version and the fetch / load seconds."""
+        """Fetch the buckets of `manifest` (from `ActorTrainWorker.weights_for_sync`), verifying each as it
+        arrives, then load them into the engine. Returns the new version and the fetch / load seconds.
+
+        Raises:
+            WeightSyncError: a bucket that does not match the trainer's checksum, or a missing tensor.
+        """
         started = time.perf_counter()
+        receiver = WeightReceiver(manifest)
         if manifest.layouts:  # broadcast transport: the trainer sends while we receive
-            buckets = self.broadcast.receive(manifest.layouts)
+            for bucket in self.broadcast.receive(manifest.layouts):
+                receiver.add(bucket)
         else:
-            buckets = [await ref for ref in manifest.buckets]  # one bucket in flight at a time
-        weights = assemble_weights(manifest, buckets)  # raises WeightSyncError on a corrupted transfer
+            for ref in manifest.buckets:  # one bucket in flight at a time, checked as it lands
+                receiver.add(await ref)
+        weights = receiver.finish()
         fetched = time.perf_counter()
-        self.engine.update_weights(weights, manifest.version, manifest.checksum)
+        self.engine.update_weights(weights, manifest.version)
         return {"version": manifest.version, "fetch_seconds": fetched - started,
                 "load_seconds": time.perf_counter() - fetched}
 
@@ -64,9 +80,15 @@ class RolloutWorker(PlacedWorker):
         """Put the engine to sleep (frees its weights / KV cache on GPU) while a colocated role runs."""
         started = time.perf_counter()
         self.engine.sleep()
+        self.resident = False
         return move_report(started)
 
     async def onload(self) -> dict[str, float]:
         started = time.perf_counter()
         self.engine.wake()
+        self.resident = True
         return move_report(started)
+
+    async def close(self) -> None:
+        """Shut the engine down (its threads, its GPU memory) before the actor is killed."""
+        self.engine.close()

@@ -5,38 +5,39 @@ import ray
 
 from rollflow.cluster.colocation import ColocationManager, transitions
 from rollflow.cluster.groups import WorkerGroup
-from rollflow.cluster.placement import plan_placement
 from rollflow.config import load_config
+from rollflow.pipelines.rlvr import PHASES
 from rollflow.workers.base import PlacedWorker
+from rollflow.workers.roles import plan_roles
 
 ROLES = ["actor_train", "actor_infer", "reference"]
 
 
 def _plan(*overrides):
     config = load_config(None, ["rollout.prompts_per_step=8", "algorithm.kl_loss_coef=0.1", *overrides])
-    return plan_placement(config, ROLES, devices_per_node=2)
+    return plan_roles(config, ROLES, devices_per_node=2)
 
 
 def test_colocated_roles_swap_between_phases():
     plan = _plan()  # no device_mapping: everything shares the machine
     resident = dict.fromkeys(ROLES, True)
-    assert transitions(plan, resident, "rollout") == (["actor_train", "reference"], [])
+    assert transitions(plan, resident, PHASES["rollout"]) == (["actor_train", "reference"], [])
     resident.update(actor_train=False, reference=False)
-    assert transitions(plan, resident, "reference") == (["actor_infer"], ["reference"])
+    assert transitions(plan, resident, PHASES["reference"]) == (["actor_infer"], ["reference"])
     resident.update(actor_infer=False, reference=True)
-    assert transitions(plan, resident, "actor_train") == (["reference"], ["actor_train"])
+    assert transitions(plan, resident, PHASES["actor_train"]) == (["reference"], ["actor_train"])
     resident.update(reference=False, actor_train=True)
     # weight sync needs both ends: the engine comes back, nothing is offloaded
-    assert transitions(plan, resident, "weight_sync") == ([], ["actor_infer"])
+    assert transitions(plan, resident, PHASES["weight_sync"]) == ([], ["actor_infer"])
 
 
 def test_disaggregated_roles_never_move():
     plan = _plan("roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[1]")
     resident = dict.fromkeys(ROLES, True)  # reference follows actor_train onto device 0
-    assert transitions(plan, resident, "rollout") == ([], [])
-    assert transitions(plan, resident, "reference") == (["actor_train"], [])
+    assert transitions(plan, resident, PHASES["rollout"]) == ([], [])
+    assert transitions(plan, resident, PHASES["reference"]) == (["actor_train"], [])
     resident["actor_train"] = False
-    assert transitions(plan, resident, "actor_train") == (["reference"], ["actor_train"])
+    assert transitions(plan, resident, PHASES["actor_train"]) == (["reference"], ["actor_train"])
 
 
 class _RecordingBackend:
@@ -72,7 +73,7 @@ def test_manager_moves_workers_and_guards_offloaded_use(ray_session):
         placements = plan.workers[role]
         handles = [ray.remote(num_cpus=0)(_Worker).remote(p) for p in placements]
         groups[role] = WorkerGroup(role, handles, placements)
-    manager = ColocationManager(plan, groups)
+    manager = ColocationManager(plan, groups, PHASES)
     manager.enter("rollout")
     manager.enter("reference")
     manager.enter("actor_train")
@@ -87,4 +88,4 @@ def test_manager_moves_workers_and_guards_offloaded_use(ray_session):
     assert metrics["memory/actor_train_rss_mb_after_onload"] > 10  # a live Python process
     assert "time/rollout_offload_onload" in metrics and manager.pop_metrics() == {}
     for group in groups.values():
-        group.kill()
+        group.close()

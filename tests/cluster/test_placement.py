@@ -4,17 +4,17 @@ import re
 
 import pytest
 
-from rollflow.cluster.placement import plan_placement
-from rollflow.config import RunConfig, load_config
+from rollflow.config import RLVRConfig, load_config
 from rollflow.errors import ConfigError
+from rollflow.workers.roles import plan_roles
 
 
-def _config(*overrides: str) -> RunConfig:
+def _config(*overrides: str) -> RLVRConfig:
     return load_config(None, ["rollout.prompts_per_step=8", *overrides])
 
 
 def test_no_device_mapping_places_nothing_and_everything_is_colocated():
-    plan = plan_placement(_config("roles.actor_train.num_cpus=2"), ["actor_train", "actor_infer"], 2)
+    plan = plan_roles(_config("roles.actor_train.num_cpus=2"), ["actor_train", "actor_infer"], 2)
     assert not plan.placed
     assert [w.threads for w in plan.workers["actor_train"]] == [2]
     assert plan.colocated("actor_train", "actor_infer")
@@ -26,7 +26,7 @@ def test_devices_split_over_workers_and_nodes():
     config = _config("roles.actor_train.backend=fsdp2", "roles.actor_train.num_workers=2",
                      "roles.actor_train.device_mapping=[0,1,2,3]",
                      "roles.actor_infer.num_workers=4", "roles.actor_infer.device_mapping=[4,5,6,7]")
-    plan = plan_placement(config, ["actor_train", "actor_infer"], devices_per_node=4, num_nodes=2)
+    plan = plan_roles(config, ["actor_train", "actor_infer"], devices_per_node=4, num_nodes=2)
     train, infer = plan.workers["actor_train"], plan.workers["actor_infer"]
     assert [w.devices for w in train] == [(0, 1), (2, 3)]
     assert [w.threads for w in train] == [2, 2]  # CPU: a worker's thread count is its slot count
@@ -39,7 +39,7 @@ def test_devices_split_over_workers_and_nodes():
 def test_reference_follows_actor_train_and_overlap_colocates():
     config = _config("roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[0,1]",
                      "roles.actor_infer.num_workers=2", "algorithm.kl_loss_coef=0.1")
-    plan = plan_placement(config, ["actor_train", "actor_infer", "reference"], 2)
+    plan = plan_roles(config, ["actor_train", "actor_infer", "reference"], 2)
     assert plan.workers["reference"][0].devices == (0,)
     assert plan.colocated("actor_train", "actor_infer")  # share device 0
     assert plan.colocation_groups() == [["actor_train", "actor_infer", "reference"]]
@@ -60,7 +60,7 @@ def test_reference_follows_actor_train_and_overlap_colocates():
 ])
 def test_bad_mappings_fail_with_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
-        plan_placement(_config(*overrides), ["actor_train", "actor_infer"], devices_per_node=2, num_nodes=2)
+        plan_roles(_config(*overrides), ["actor_train", "actor_infer"], devices_per_node=2, num_nodes=2)
     assert "\n" not in str(error.value)
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from rollflow.config import RunConfig, apply_overrides, dump_config, load_config
+from rollflow.config import RLVRConfig, apply_overrides, dump_config, load_config
 from rollflow.errors import ConfigError
 
 
@@ -79,7 +79,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_samples_per_step_is_derived():
-    config = RunConfig()
+    config = RLVRConfig()
     assert config.rollout.samples_per_step == config.rollout.prompts_per_step * config.rollout.samples_per_prompt
 
 

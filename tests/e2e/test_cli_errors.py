@@ -52,6 +52,19 @@ def test_reward_path_that_does_not_import(capsys, tmp_path):
     assert "no_such_pkg" in line
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("roles.actor_train.backend=fsdp", "unknown training backend 'fsdp'. Did you mean 'fsdp2'?"),
+    ("roles.critic.backend=troch", "unknown training backend 'troch'. Did you mean 'torch'?"),
+    ("roles.actor_infer.engine=vlm", "unknown inference engine 'vlm'. Did you mean 'vllm'?"),
+    ("pipeline=rlvf", "unknown pipeline 'rlvf'. Did you mean 'rlvr'?"),
+    ("roles.actor_train.backend_kwargs={mixed_precison: {}}", "did you mean 'mixed_precision'"),
+])
+def test_unknown_backend_engine_or_pipeline_name_is_one_line_at_load(capsys, override, expected):
+    """Checked when the config loads, before any worker starts (no Ray traceback from a worker)."""
+    overrides = [override, "roles.actor_train.backend=fsdp2"] if "backend_kwargs" in override else [override]
+    assert expected in _error_of(capsys, ["train", QUICKSTART, *overrides])
+
+
 def test_print_config_prints_resolved_yaml(capsys):
     assert main(["train", QUICKSTART, "--print-config", "train.steps=7"]) == 0
     out = capsys.readouterr().out

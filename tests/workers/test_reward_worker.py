@@ -1,5 +1,6 @@
-"""Reward workers in a Ray session: a model reward scores a whole group per call, off the driver, and the
-rollout scheduler keeps collecting other groups' completions while a group is being scored."""
+"""Reward workers in a Ray session: the `reward` role is spawned, placed and offloaded like every role; a
+model reward scores a whole group per call, off the driver, and the rollout scheduler keeps collecting other
+groups' completions while a group is being scored."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from rollflow.config import RewardConfig, RoleConfig
+from rollflow.cluster.colocation import ColocationManager
+from rollflow.cluster.groups import WorkerGroup, WorkerStartError, spawn_group
+from rollflow.cluster.placement import WorkerPlacement
+from rollflow.config import load_config
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
-from rollflow.pipelines.rlvr_steps import build_reward_fn
+from rollflow.pipelines.rlvr import PHASES
 from rollflow.rewards import ModelReward, ScoreError, combine_rewards, resolve_reward
 from rollflow.rewards.judge import LLMJudge
 from rollflow.rollout.scheduler import RolloutScheduler
-from rollflow.workers.reward import RemoteReward, RewardWorkerError
+from rollflow.workers.base import PlacedWorker, torch_device
+from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn, model_rewards
+from rollflow.workers.roles import plan_roles
 
 
 # ---- test doubles, imported by the Ray workers from this module ---------------------------------------
@@ -36,6 +42,13 @@ class RecordingScorer:
 
     def __init__(self, options: RecordingOptions, device: str = "cpu"):
         self.delay_s = options.delay_s
+        self.moves: list[str] = []
+
+    def offload(self):
+        self.moves.append("offload")
+
+    def onload(self):
+        self.moves.append("onload")
 
     async def score_group(self, completions, rows):
         started = time.time()
@@ -64,26 +77,68 @@ class StaggeredRolloutWorker:
         return Completion(request.request_id, outputs, {"generated_at": time.time()})
 
 
+class MovesRewardWorker(RewardWorker):
+    """A real reward worker that also reports the moves its scorers were asked to make."""
+
+    def moves(self, name: str) -> list[str]:
+        return self.scorers[name].moves
+
+
+class RecordingWorker(PlacedWorker):
+    """Stands in for a trainer or engine worker: records offload / onload, holds no model."""
+
+    def __init__(self, placement, config):
+        super().__init__(placement)
+        self.record: list[str] = []
+
+    def offload(self):
+        self.record.append("offload")
+        return super().offload()
+
+    def onload(self):
+        self.record.append("onload")
+        return super().onload()
+
+    def moves(self):
+        return self.record
+
+
 # ---- tests ----------------------------------------------------------------------------------------------
 JUDGE_OPTIONS = {"model_path": "tiny", "template": "{completion}+{offset}", "max_score": 200, "max_new_tokens": 4}
+PLACEMENT = WorkerPlacement("reward", 0, (), None, (), threads=1)
+
+
+def _config(*overrides):
+    return load_config(None, ["rollout.prompts_per_step=8", *overrides])
+
+
+def _dead(group: WorkerGroup) -> bool:
+    try:
+        ray.get(group.handles[0].__ray_ready__.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def test_llm_judge_worker_scores_a_group_in_one_call(ray_session):
-    remote = RemoteReward("llm_judge", resolve_reward("llm_judge", JUDGE_OPTIONS), num_workers=1, num_cpus=1)
+    rewards = {"llm_judge": resolve_reward("llm_judge", JUDGE_OPTIONS)}
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(), rewards)
     try:
+        group.wait_ready()
+        remote = RemoteReward("llm_judge", group)
         completions = ["12", "40", "7", "33"]
         rows = [{"offset": str(k)} for k in (10, 20, 30, 40)]
         first = remote.submit(completions, rows)  # one call for the whole group ...
         second = remote.submit(completions[:2], rows[:2])  # ... and a second group while it runs
         assert isinstance(first, ray.ObjectRef)
         scores, scores_second = remote.wait(first), remote.wait(second)
-        expected = asyncio.run(LLMJudge(resolve_reward("llm_judge", JUDGE_OPTIONS).options).score_group(
+        expected = asyncio.run(LLMJudge(rewards["llm_judge"].options).score_group(
             completions, rows))  # the same judge in this process
         assert scores == expected and scores_second == expected[:2]
         assert all(s["parse_failed"] == 0.0 for s in scores)
     finally:
-        remote.close()
-    assert remote.workers == []
+        group.close()
+    assert _dead(group)
 
 
 def test_a_worker_that_cannot_start_is_a_one_line_error(ray_session, tmp_path):
@@ -91,31 +146,35 @@ def test_a_worker_that_cannot_start_is_a_one_line_error(ray_session, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     reward = resolve_reward("llm_judge", {"model_path": str(broken)})  # passes the driver-side path check
-    remote = RemoteReward("judge", reward)
     started = time.perf_counter()
-    remote.start(wait=False)  # loads in the background ...
-    assert time.perf_counter() - started < 1.0 and len(remote.workers) == 1
-    with pytest.raises(RewardWorkerError, match=r"reward 'judge': its reward worker failed to start: .*") as info:
-        remote.submit(["x"], [{}])  # ... and the first group finds out
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(), {"judge": reward})
+    assert time.perf_counter() - started < 1.0 and len(group) == 1  # loads in the background ...
+    try:
+        with pytest.raises(WorkerStartError, match=r"reward: a worker failed to start: .*") as info:
+            group.wait_ready()  # ... and waiting for it finds out
+    finally:
+        group.close()
     assert "\n" not in str(info.value)
     # The constructor's own error, not Ray's wrapper and traceback.
     assert f"failed to start: ModelLoadError: cannot load model from '{broken}': " in str(info.value)
     assert "not_a_model" in str(info.value)
-    assert remote.workers == []  # the dead worker was let go
+    assert _dead(group)  # the dead worker was let go
 
 
 def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     step_s, delay_s = 0.2, 1.5
     rollout = ray.remote(num_cpus=0)(StaggeredRolloutWorker).remote(step_s)
-    remote = RemoteReward("slow", RECORDING.bind({"delay_s": delay_s}, "slow"))
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(),
+                        {"slow": RECORDING.bind({"delay_s": delay_s}, "slow")})
+    remote = RemoteReward("slow", group)
     combined = combine_rewards([("exact", lambda c, **row: float(c == row["answer"]), 1.0), ("slow", remote, 0.5)])
     scheduler = RolloutScheduler([rollout], combined, lambda ids: "-".join(map(str, ids)))
     prompts = [EncodedPrompt({"answer": f"{k}-0"}, str(k), [k]) for k in range(4)]
-    remote.start()  # model load is not what this test measures
+    group.wait_ready()  # model load is not what this test measures
     try:
         result = scheduler.generate(prompts, SamplingParams(n=2))
     finally:
-        remote.close()
+        group.close()
     by_group = {k: [s for s in result.samples if s.prompt_ids == [k]] for k in range(4)}  # group k: prompt [k]
     assert len(result.samples) == 8 and all(len(samples) == 2 for samples in by_group.values())
 
@@ -149,13 +208,55 @@ def scored_sample(samples):
 
 
 def test_build_reward_fn_puts_model_rewards_on_workers_and_plain_ones_on_the_driver():
-    config = RewardConfig(functions=[{"name": "math_answer", "weight": 1.0},
-                                     {"name": "llm_judge", "weight": 0.5, "kwargs": JUDGE_OPTIONS}])
-    combined = build_reward_fn(config, RoleConfig(num_workers=2, num_cpus=1))
+    config = _config("reward.functions=[{name: math_answer, weight: 1.0}, {name: llm_judge, weight: 0.5, "
+                     "kwargs: {model_path: tiny, max_new_tokens: 4}}]")
+    assert list(model_rewards(config.reward)) == ["llm_judge"]  # only what needs a model gets a worker
+    group = WorkerGroup("reward", [], [])
+    combined = build_reward_fn(config.reward, group)
     assert combined.kinds == ["plain", "group"]
     remote = combined.group_rewards[0]
-    assert isinstance(remote, RemoteReward)
-    assert (remote.name, remote.num_workers, remote.num_cpus, remote.device) == ("llm_judge", 2, 1, "cpu")
-    assert remote.workers == []  # nothing starts before the first group (Ray may not even be up)
-    gpu = build_reward_fn(config, RoleConfig(num_workers=2, device_mapping=[4, 5, 6, 7]), device="gpu")
-    assert gpu.group_rewards[0].device == "cuda" and gpu.group_rewards[0].gpus == [(4, 5), (6, 7)]
+    assert isinstance(remote, RemoteReward) and (remote.name, remote.group) == ("llm_judge", group)
+    with pytest.raises(ValueError, match="model reward"):
+        build_reward_fn(config.reward)  # no reward workers started
+    # On GPUs the reward role's device_mapping is split over its workers like any role's.
+    gpu = _config("cluster.device=gpu", "roles.actor_train.device_mapping=[0, 1]",
+                  "roles.actor_infer.device_mapping=[2, 3]", "roles.reward.num_workers=2",
+                  "roles.reward.device_mapping=[4, 5, 6, 7]")
+    plan = plan_roles(gpu, ["actor_train", "actor_infer", "reward"], devices_per_node=8)
+    assert [w.local_devices for w in plan.workers["reward"]] == [(4, 5), (6, 7)]
+    assert torch_device(gpu) == "cuda"
+
+
+def test_reward_workers_sharing_the_trainers_devices_are_offloaded_while_it_trains(ray_session):
+    """The reward role is planned like the others: a device_mapping that overlaps actor_train's is reported
+    as colocated, and its workers are offloaded while the trainer trains and onloaded for the rollout."""
+    config = _config("roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[1]",
+                     "roles.reward.device_mapping=[0]")
+    roles = ["actor_train", "actor_infer", "reward"]
+    plan = plan_roles(config, roles, devices_per_node=2)
+    assert plan.colocated("reward", "actor_train") and not plan.colocated("reward", "actor_infer")
+    assert "colocated (time-share, offload between phases): actor_train + reward" in plan.describe()
+    groups = {role: spawn_group(role, RecordingWorker, plan.workers[role], None, config)
+              for role in ("actor_train", "actor_infer")}
+    groups["reward"] = spawn_group("reward", MovesRewardWorker, plan.workers["reward"], None, config,
+                                   {"slow": RECORDING.bind({"delay_s": 0.0}, "slow")})
+    try:
+        for group in groups.values():
+            group.wait_ready()
+        manager = ColocationManager(plan, groups, PHASES)
+        manager.enter("rollout")  # the reward workers score during the rollout: the trainer leaves device 0
+        assert groups["actor_train"].call("moves") == ["offload"]
+        manager.enter("actor_train")  # the trainer needs device 0 back: the reward workers leave it
+        assert groups["reward"].call("moves", "slow") == ["offload"]
+        assert groups["actor_infer"].call("moves") == []  # disaggregated: never moves
+        assert manager.resident["reward"] is False
+        with pytest.raises(ray.exceptions.RayTaskError, match="called while offloaded"):
+            RemoteReward("slow", groups["reward"]).wait(
+                RemoteReward("slow", groups["reward"]).submit(["x"], [{}]))
+        manager.enter("rollout")  # back for the next rollout, and the trainer steps aside
+        assert groups["reward"].call("moves", "slow") == ["offload", "onload"]
+        assert groups["actor_train"].call("moves") == ["offload", "onload", "offload"]
+        assert "offload/reward_seconds" in manager.pop_metrics()
+    finally:
+        for group in groups.values():
+            group.close()

@@ -3,60 +3,13 @@ import torch
 from torch.testing import assert_close
 
 from rollflow.config import AlgorithmConfig
-from rollflow.data.sample import Sample, SampleStatus, collate
-from rollflow.errors import ParityError
-from rollflow.pipelines.rlvr_steps import (
-    AdvantageStage,
-    check_logprob_parity,
-    drop_groups,
-    is_correct,
-    rollout_metrics,
-    usable,
-)
-
-
-def _samples():
-    return [
-        Sample([1, 2], [3, 4], [-0.5, -0.25], group_id=0, reward=1.0, rewards={"math_answer": 1.0}),
-        Sample([1, 2], [5], [-1.0], group_id=0, reward=0.0, rewards={"math_answer": 0.0},
-               status=SampleStatus.TRUNCATED),
-        Sample([1], [6, 7, 8], [-0.1, -0.2, -0.3], group_id=1, reward=0.5, rewards={"math_answer": 0.5}),
-        Sample([1], [], group_id=1, status=SampleStatus.FAILED),
-    ]
-
-
-def test_parity_check_measures_the_gap_and_stops_on_a_large_one():
-    batch = collate(_samples()[:3], pad_token_id=0)
-    close = batch.rollout_logprobs + 1e-4 * batch.response_mask
-    assert check_logprob_parity(batch, close, tolerance=1e-2) == pytest.approx(1e-4, rel=1e-3)
-    far = batch.rollout_logprobs.clone()
-    far[1, 0] -= 0.5  # one token disagrees by 0.5
-    with pytest.raises(ParityError, match="differ by up to 0.5"):
-        check_logprob_parity(batch, far, tolerance=1e-2)
-    padded = batch.rollout_logprobs.clone()
-    padded[1, 2] = 9.0  # padding is ignored
-    assert check_logprob_parity(batch, padded, tolerance=1e-2) == 0.0
-
-
-def test_usable_drops_failed_and_empty_samples():
-    assert len(usable(_samples())) == 3
-
-
-def test_rollout_metrics_count_accuracy_on_the_primary_reward():
-    samples = _samples()
-    metrics = rollout_metrics(samples)
-    # correct: only the first (0.5 is not a full score, the failed one never counts)
-    assert metrics["rollout/accuracy"] == pytest.approx(1 / 4)
-    assert metrics["reward/mean"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.0) / 4)
-    assert metrics["rollout/response_length"] == pytest.approx((2 + 1 + 3 + 0) / 4)
-    assert metrics["rollout/truncated_ratio"] == pytest.approx(1 / 4)
-    assert metrics["rollout/failed_ratio"] == pytest.approx(1 / 4)
-    assert metrics["rollout/reward/math_answer"] == pytest.approx(1.5 / 4)
-    assert not is_correct(samples[3])
+from rollflow.data.sample import collate
+from rollflow.workers.advantages import AdvantageStage
+from tests.conftest import step_samples
 
 
 def _batch():
-    return collate(_samples()[:3], pad_token_id=0)  # masks [1,1,0], [1,0,0], [1,1,1]; rewards (1, 0, 0.5)
+    return collate(step_samples()[:3], pad_token_id=0)  # masks [1,1,0], [1,0,0], [1,1,1]; rewards (1, 0, 0.5)
 
 
 def _advantages(batch, max_response_length=3, **options):
@@ -150,15 +103,3 @@ def test_opd_distills_towards_the_reference_worker():
     # teacher - student: (-0.5 + 0.5, -0.5 + 0.25), (-0.5 + 1), (-0.5 + 0.1, -0.5 + 0.2, -0.5 + 0.3)
     assert_close(advantages, torch.tensor([[0.0, -0.25, 0.0], [0.5, 0.0, 0.0], [-0.4, -0.3, -0.2]]))
     assert metrics["advantage/reverse_kl_mean"] == pytest.approx(-(0.0 - 0.25 + 0.5 - 0.4 - 0.3 - 0.2) / 6)
-
-
-def test_difficulty_mask_drops_groups_without_signal():
-    samples = [Sample([1], [2], [-0.1], group_id=g, reward=r) for g, r in [(0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0)]]
-    batch = collate(samples, pad_token_id=0)
-    unchanged, metrics = drop_groups(batch, AlgorithmConfig())
-    assert unchanged is batch and metrics == {}
-    kept, metrics = drop_groups(batch, AlgorithmConfig(difficulty_mask=(0.0, 1.0)))
-    assert kept.group_ids.tolist() == [0, 0] and kept.rewards.tolist() == [1.0, 0.0]  # group 1 is all 1: dropped
-    assert metrics == {"difficulty_mask/kept_samples": 2.0, "difficulty_mask/kept_group_frac": 0.5}
-    none, metrics = drop_groups(batch, AlgorithmConfig(difficulty_mask=(0.6, 0.9)))
-    assert none.size == 0 and metrics["difficulty_mask/kept_group_frac"] == 0.0

@@ -1,0 +1,154 @@
+"""Loading a run config: YAML file + `a.b=c` overrides, validated against the pipeline it names.
+
+`RunConfig` is a union of the pipelines' config models, discriminated by the `pipeline` key (default
+`rlvr`); `PIPELINE_CONFIGS` maps each pipeline name to its model. Unknown keys are errors that name the key
+and suggest the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from rollflow.config.rlvr import RLVRConfig
+from rollflow.config.sections import RunConfigBase
+from rollflow.errors import ConfigError
+from rollflow.registry import Registry
+
+DEFAULT_PIPELINE = "rlvr"
+
+# pipeline name -> its run config model; a new pipeline registers its model here (and its driver in
+# `rollflow.pipelines.PIPELINES`).
+PIPELINE_CONFIGS: Registry[type[RunConfigBase]] = Registry("pipeline")
+PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
+
+RunConfig = Annotated[Union[tuple(PIPELINE_CONFIGS[name] for name in PIPELINE_CONFIGS)],  # noqa: UP007
+                      Field(discriminator="pipeline")]
+
+
+def config_model(pipeline: object) -> type[RunConfigBase]:
+    """The config model of `pipeline` (a name); raises `ConfigError` naming the valid pipelines."""
+    if not isinstance(pipeline, str) or pipeline not in PIPELINE_CONFIGS:
+        raise ConfigError(f"pipeline: {PIPELINE_CONFIGS.unknown_message(str(pipeline))}")
+    return PIPELINE_CONFIGS[pipeline]
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, defaults: dict[str, Any]) -> None:
+    """Set `tree[a][b]... = value`; a section missing from `tree` starts as its default, so `a.b.c=1`
+    changes one key of the default section instead of replacing the section."""
+    keys = dotted.split(".")
+    node, default = tree, defaults
+    for key in keys[:-1]:
+        default = default.get(key) if isinstance(default, dict) else None
+        child = node.get(key)
+        if child is None:
+            child = node[key] = copy.deepcopy(default) if isinstance(default, dict) else {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides; values are parsed as YAML (`3`, `1e-5`, `true`, `[1, 2]`, `null`).
+
+    A section missing from `tree` starts from the defaults of the pipeline the run names (a `pipeline=`
+    override counts, wherever it stands).
+    """
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({err.problem})") from None
+        parsed.append((key.strip(), value))
+    tree.update({key: value for key, value in parsed if key == "pipeline"})
+    if parsed:
+        defaults = config_model(tree.get("pipeline", DEFAULT_PIPELINE))().model_dump(mode="json")
+    for key, value in parsed:
+        _set_dotted(tree, key, value, defaults)
+    return tree
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the sub-model that `loc` (a pydantic error location, minus the last key) points at."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(part) if isinstance(current, type) else None
+        if field is None:
+            return []
+        annotation = field.annotation
+        current = next(
+            (arg for arg in _flatten_annotation(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)),
+            None,
+        )
+        if current is None:
+            return []
+    return list(current.model_fields) if isinstance(current, type) else []
+
+
+def _flatten_annotation(annotation: Any) -> list[Any]:
+    args = getattr(annotation, "__args__", None)
+    if not args:
+        return [annotation]
+    return [leaf for arg in args for leaf in _flatten_annotation(arg)]
+
+
+def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+    loc = tuple(error["loc"])
+    where = ".".join(str(p) for p in loc) or "config"
+    if error["type"] == "extra_forbidden":
+        valid = _fields_at(model, loc[:-1])
+        near = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), near[0]])!r}?" if near else ""
+        return f"unknown config key {where!r}{hint} (valid here: {', '.join(valid)})"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] in ("value_error", "assertion_error") and (not loc or isinstance(error.get("input"), dict)):
+        return f"{where}: {message}" if loc else message
+    return f"{where}: {message} (got {error.get('input')!r})"
+
+
+def build_config(tree: dict[str, Any]) -> RunConfig:
+    """Validate a raw config tree against the model of the pipeline it names (default `rlvr`); raise
+    `ConfigError` with one line per problem."""
+    model = config_model(tree.get("pipeline", DEFAULT_PIPELINE))
+    try:
+        return model.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError("; ".join(_describe(e, model) for e in err.errors())) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or start from defaults when `path` is None), apply overrides, validate.
+
+    Raises:
+        ConfigError: missing or unreadable file, bad YAML, unknown key, wrong type, bad batch sizes.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
+        tree = loaded or {}
+    return build_config(apply_overrides(tree, overrides or []))
+
+
+def dump_config(config: RunConfig) -> str:
+    """The resolved config as YAML (what `--print-config` prints and what the run directory keeps)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

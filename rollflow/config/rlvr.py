@@ -1,0 +1,286 @@
+"""The RLVR pipeline's config: rollout, rewards and the RL algorithm, on top of `RunConfigBase`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollflow.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    check_hyperparams,
+)
+from rollflow.config.sections import RunConfigBase, Strict
+
+
+class RolloutConfig(Strict):
+    prompts_per_step: int = Field(default=16, gt=0, description="Prompts sampled per RL step.")
+    samples_per_prompt: int = Field(
+        default=8, gt=0, description="Completions sampled per prompt (the GRPO group).")
+    max_new_tokens: int = Field(
+        default=8, gt=0,
+        description="Response length limit, in tokens; a response that hits it is `truncated`.")
+    temperature: float = Field(
+        default=1.0, gt=0,
+        description="Sampling temperature; the trainer computes its logprobs at the same temperature.")
+    top_p: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Nucleus sampling: sample from the most likely tokens that hold this much probability; "
+                    "1: off.")
+    top_k: int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0: off.")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+class RewardFunctionConfig(Strict):
+    name: str = Field(
+        description="A registered reward (see [rewards.md](rewards.md)) or a dotted path "
+                    "`pkg.module:function`.")
+    weight: float = Field(default=1.0, description="Its weight in the training reward.")
+    kwargs: dict[str, Any] = Field(default={}, description="Extra keyword arguments passed to the function.")
+
+
+class RewardConfig(Strict):
+    functions: list[RewardFunctionConfig] = Field(
+        default=[RewardFunctionConfig(name="math_answer")],
+        description="The reward functions. The training reward is their weighted sum; each is logged as "
+                    "`rollout/reward/NAME`.")
+
+
+NormalizationMode = Literal["none", "batch", "group", "running"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+
+
+class TrainInferCorrectionConfig(Strict):
+    """Train-inference mismatch correction in the actor loss (`algorithms.train_infer_correction`).
+
+    The ratio is `exp(old_logprobs - rollout_logprobs)`: trainer vs inference engine on the sampled tokens.
+    """
+
+    weight_level: CorrectionLevel | None = Field(
+        default="token",
+        description="Truncated importance sampling (TIS): weight the policy-gradient term by `min(ratio, "
+                    "upper_bound)`, the ratio taken per `token`, per `sequence`, or as the sequence's "
+                    "per-token `geometric` mean; `null`: weights of 1.")
+    upper_bound: float = Field(default=2.0, gt=0, description="TIS truncation: the largest weight.")
+    mask_level: CorrectionLevel | None = Field(
+        default=None,
+        description="Masked importance sampling (MIS): drop the tokens or sequences whose ratio, at this "
+                    "level, is outside `[low, high]`; `null`: off.")
+    low: float = Field(default=0.5, gt=0, description="MIS: the lowest ratio kept.")
+    high: float = Field(default=2.0, gt=0, description="MIS: the highest ratio kept (`low <= high`).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TrainInferCorrectionConfig:
+        if self.low > self.high:
+            raise ValueError(f"need low <= high, got low={self.low}, high={self.high}")
+        if self.weight_level is None and self.mask_level is None:
+            raise ValueError("set weight_level (TIS) or mask_level (MIS), "
+                             "or set train_infer_correction: null")
+        return self
+
+
+class AlgorithmConfig(Strict):
+    """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature.
+
+    The advantage stage runs, in order: difficulty mask, overlong filter, overlong reward shaping, reward
+    normalization and clipping, KL penalty in the reward, the estimator, advantage whitening and clipping
+    (docs/algorithms.md). Every option below is off by default.
+    """
+
+    advantage: str = Field(
+        default="grpo",
+        description="Advantage estimator, by registry name, e.g. `grpo`, `rloo`, `gae` (starts the `critic` "
+                    "role) or `opd` (on-policy distillation from the `reference`); all of them in "
+                    "[algorithms.md](algorithms.md).")
+    advantage_kwargs: dict[str, Any] = Field(
+        default={},
+        description="The estimator's options, e.g. `{gamma: 1.0, lam: 0.95}` for `gae`; a misspelled one "
+                    "fails at load time.")
+    policy_loss: str = Field(
+        default="ppo",
+        description="Policy loss, by registry name, e.g. `ppo`, `gspo` or `cispo`; all of them in "
+                    "[algorithms.md](algorithms.md).")
+    policy_loss_kwargs: dict[str, Any] = Field(
+        default={},
+        description="The loss's options, e.g. `{clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0}`; a "
+                    "misspelled one fails at load time.")
+    loss_aggregation: str = Field(
+        default="token_mean",
+        description="How per-token losses become one: `token_mean`, `seq_mean_token_mean`, "
+                    "`seq_mean_token_sum` or `seq_mean_token_sum_norm` (whose L is "
+                    "`rollout.max_new_tokens`); how it splits over micro-batches and ranks: "
+                    "[algorithms.md](algorithms.md).")
+    kl_loss_coef: float = Field(
+        default=0.0, ge=0,
+        description="> 0 adds coef * KL(policy ‖ reference) to the loss and starts the `reference` role.")
+    kl_estimator: str = Field(
+        default="k3", description="KL estimator of the loss term: `k1`, `k2` (= `mse`), `k3` or `abs`.")
+    entropy_coef: float = Field(
+        default=0.0, description="Weight of the entropy bonus in the actor loss; 0: off.")
+    # Reward shaping, before the estimator.
+    reward_norm_mean: NormalizationMode = Field(
+        default="none",
+        description="Scope of the mean subtracted from the scalar reward: `none`, `batch`, `group` or "
+                    "`running` (moments kept across steps and in checkpoints).")
+    reward_norm_std: NormalizationMode = Field(
+        default="none", description="Scope of the std the scalar reward is divided by (same choices).")
+    reward_clip: float | None = Field(
+        default=None, gt=0, description="Clamp rewards to `[-clip, clip]` after normalizing; `null`: off.")
+    overlong_buffer: int | None = Field(
+        default=None, gt=0,
+        description="DAPO soft overlong punishment: a response within the last N tokens before "
+                    "`rollout.max_new_tokens` loses reward linearly, up to `overlong_penalty_factor` at the "
+                    "limit; `null`: off.")
+    overlong_penalty_factor: float = Field(
+        default=1.0, ge=0, description="The overlong penalty at `rollout.max_new_tokens`.")
+    overlong_filter: bool = Field(
+        default=False,
+        description="DAPO overlong filtering: zero the loss of truncated samples (their reward still enters "
+                    "the group statistics).")
+    difficulty_mask: tuple[float, float] | None = Field(
+        default=None,
+        description="`[low, high]`: train only the groups whose mean reward is strictly inside `(low, "
+                    "high)`, e.g. `[0.0, 1.0]` drops groups that all fail or all pass; `null`: off.")
+    kl_reward_coef: float = Field(
+        default=0.0, ge=0,
+        description="β: > 0 adds -β * KL(policy ‖ reference) to the reward of every trained token and starts "
+                    "the `reference` role.")
+    kl_reward_estimator: str = Field(default="k1", description="KL estimator of the reward term.")
+    kl_reward_controller: Literal["fixed", "adaptive"] = Field(
+        default="fixed",
+        description="`fixed` keeps β; `adaptive` moves it after each step to steer the KL towards "
+                    "`kl_reward_target`.")
+    kl_reward_target: float | None = Field(
+        default=None, gt=0, description="The KL the `adaptive` controller steers towards (it needs one).")
+    kl_reward_horizon: float = Field(
+        default=10000.0, gt=0,
+        description="The `adaptive` controller's horizon, in samples: `β ← β·(1 + clip(KL/target − 1, "
+                    "±0.2)·B/horizon)` after a step of B samples.")
+    # Advantage post-processing, after the estimator.
+    whiten_advantages: bool = Field(
+        default=False, description="Whiten advantages: zero mean, unit std over the batch's trained tokens.")
+    advantage_clip: float | None = Field(
+        default=None, gt=0, description="Clamp advantages to `[-clip, clip]` after whitening; `null`: off.")
+    # Actor loss.
+    train_infer_correction: TrainInferCorrectionConfig | None = Field(
+        default=None,
+        description="Train-inference mismatch correction in the actor loss (TIS weights, MIS masks), with "
+                    "the ratio `exp(old_logprobs − rollout_logprobs)`; `null`: off.")
+    # Critic loss (advantage: gae).
+    value_clip: float | None = Field(
+        default=0.5, gt=0,
+        description="Critic loss (`advantage: gae`): clip the value update to ± this around the rollout-time "
+                    "value; `null`: unclipped.")
+
+    @model_validator(mode="after")
+    def _known_names(self) -> AlgorithmConfig:
+        """Unknown registry names and options fail at load time, listing the valid ones."""
+        checks = [
+            (ADVANTAGE_ESTIMATORS, self.advantage, self.advantage_kwargs),
+            (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
+            (LOSS_AGGREGATIONS, self.loss_aggregation, None),
+            (KL_ESTIMATORS, self.kl_estimator, None),
+            (KL_ESTIMATORS, self.kl_reward_estimator, None),
+        ]
+        for registry, name, kwargs in checks:
+            if name not in registry:
+                raise ValueError(registry.unknown_message(name))
+            if kwargs is not None:
+                check_hyperparams(registry.get(name), kwargs)
+        return self
+
+    @model_validator(mode="after")
+    def _consistent_options(self) -> AlgorithmConfig:
+        if self.difficulty_mask is not None and self.difficulty_mask[0] >= self.difficulty_mask[1]:
+            raise ValueError(f"difficulty_mask [low, high] needs low < high, "
+                             f"got {list(self.difficulty_mask)}")
+        if self.kl_reward_controller == "adaptive" and self.kl_reward_target is None:
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_target "
+                             "(the KL to steer towards)")
+        if self.kl_reward_controller == "adaptive" and self.kl_reward_coef == 0:
+            raise ValueError("kl_reward_controller: adaptive needs kl_reward_coef > 0 "
+                             "(the initial coefficient)")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """KL in the loss or in the reward, or on-policy distillation (the reference is the teacher)."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0 or self.advantage == "opd"
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+class RLVRConfig(RunConfigBase):
+    """A run of the RLVR pipeline (`pipeline: rlvr`, the default)."""
+
+    pipeline: Literal["rlvr"] = Field(default="rlvr", description="Selects this pipeline.")
+    rollout: RolloutConfig = Field(
+        default=RolloutConfig(),
+        description="How rollouts are sampled. Derived, never set: samples per step = `prompts_per_step × "
+                    "samples_per_prompt`; samples per optimizer step = that ÷ "
+                    "`train.optimizer_steps_per_step`, which must split evenly over the "
+                    "`roles.actor_train.num_workers` data-parallel ranks and be divisible by "
+                    "`train.train_micro_batch_size` × ranks (when larger).")
+    reward: RewardConfig = Field(default=RewardConfig(), description="How a sample's reward is computed.")
+    algorithm: AlgorithmConfig = Field(
+        default=AlgorithmConfig(),
+        description="The RL algorithm, its options chosen by registry name and checked at load time. The "
+                    "advantage stage runs, in order: difficulty mask, overlong filter, overlong reward "
+                    "shaping, reward normalization and clipping, KL penalty in the reward, the estimator, "
+                    "advantage whitening and clipping. Every option is off by default; see "
+                    "[algorithms.md](algorithms.md#selecting-them-in-the-rlvr-pipeline).")
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self) -> RLVRConfig:
+        samples = self.rollout.samples_per_step
+        mini_batches = self.train.optimizer_steps_per_step
+        if samples % mini_batches:
+            raise ValueError(
+                f"rollout.prompts_per_step x rollout.samples_per_prompt = {samples} samples per step is not "
+                f"divisible by train.optimizer_steps_per_step = {mini_batches}; change one of them"
+            )
+        mini_batch = samples // mini_batches
+        micro = self.train.train_micro_batch_size
+        workers = self.roles.actor_train.num_workers
+        if mini_batch % workers:
+            raise ValueError(
+                f"each optimizer step trains on {mini_batch} samples, which the {workers} data-parallel ranks "
+                f"(roles.actor_train.num_workers) cannot split evenly; change rollout.prompts_per_step, "
+                f"train.optimizer_steps_per_step or roles.actor_train.num_workers"
+            )
+        if mini_batch % (micro * workers) and micro * workers < mini_batch:
+            raise ValueError(
+                f"each optimizer step trains on {mini_batch} samples, which is not divisible by "
+                f"train.train_micro_batch_size ({micro}) x roles.actor_train.num_workers ({workers}); "
+                f"change train.train_micro_batch_size or rollout.prompts_per_step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_fits_the_run(self) -> RLVRConfig:
+        algorithm, train = self.algorithm, self.train
+        if algorithm.overlong_buffer is not None and algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) is longer than "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), the length it counts back from; "
+                "lower the buffer"
+            )
+        if train.critic_warmup_steps and not algorithm.needs_critic:
+            raise ValueError(
+                f"train.critic_warmup_steps is {train.critic_warmup_steps} but advantage "
+                f"{algorithm.advantage!r} uses no critic; set it to 0 or use advantage: gae"
+            )
+        if train.critic_warmup_steps >= train.steps:
+            raise ValueError(
+                f"train.critic_warmup_steps ({train.critic_warmup_steps}) >= train.steps ({train.steps}): "
+                "the actor would never train"
+            )
+        return self

@@ -1,0 +1,369 @@
+"""The config sections every pipeline shares, and `RunConfigBase`, the fields of every run.
+
+A pipeline's config (`rollflow.config.rlvr.RLVRConfig`, ...) extends `RunConfigBase` with its own sections;
+`rollflow.config.loading` validates a YAML tree against the pipeline its `pipeline` key names. Every field
+carries a `description`: `rollflow.config.reference` renders them into docs/config.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollflow.backends import BACKENDS, check_backend_kwargs
+from rollflow.backends.base import SETTINGS_FIELDS
+from rollflow.backends.lora import LoraConfig
+from rollflow.engines import ENGINES
+from rollflow.errors import RollflowError
+
+BUNDLED_MODEL = "tiny"  # `model.path: tiny` loads the model shipped in rollflow/assets/
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    """Which model to train. `path` is `tiny` (bundled), a local HF directory, or a hub id."""
+
+    path: str = Field(
+        default=BUNDLED_MODEL,
+        description="`tiny` (the small model bundled in `rollflow/assets/`), a local Hugging Face directory, "
+                    "or a hub id. The trainers and engines start from it (the reference too, unless "
+                    "`roles.reference.model_path` is set).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="Parameter dtype of the trainers and the inference engines.")
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Passed to the Hugging Face loaders: run the modelling code a model's repository ships. "
+                    "Only for models you trust.")
+
+
+class DatasetConfig(Strict):
+    """A prompt dataset: a built-in synthetic `task` or a JSONL `path` (set exactly one)."""
+
+    task: str | None = Field(
+        default=None,
+        description="A built-in synthetic task, e.g. `add2` (two-digit addition). Set this or `path`.")
+    split: Literal["train", "eval"] = Field(
+        default="train",
+        description="Which split of the synthetic `task`: its training rows or its held-out `eval` rows (the "
+                    "same for every run, whatever its seed). Not used with `path`.")
+    path: str | None = Field(
+        default=None,
+        description="A JSONL file, one row per line, with a prompt column (`data.prompt_key`) and optionally "
+                    "an answer column and extra columns. Set this or `task`.")
+    limit: int | None = Field(default=None, gt=0, description="Use only the first N rows; `null`: all rows.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of `task` (built-in synthetic data) or `path` (a JSONL file)")
+        return self
+
+
+class DataConfig(Strict):
+    train: DatasetConfig = Field(
+        default=DatasetConfig(task="add2", split="train"),
+        description="The training prompts: `{task: NAME}` (built-in synthetic data) or `{path: FILE.jsonl}`.")
+    eval: DatasetConfig | None = Field(
+        default=DatasetConfig(task="add2", split="eval", limit=200),
+        description="The prompts of the greedy eval (see `eval`), in the same form; `null` disables eval.")
+    prompt_key: str = Field(default="prompt", description="The column holding the user message.")
+    answer_key: str = Field(
+        default="answer",
+        description="The column holding the reference answer; rewards receive it as `answer`, whatever the "
+                    "column is called.")
+    apply_chat_template: bool = Field(
+        default=True,
+        description="Wrap each prompt as a user turn with the tokenizer's chat template (when it has one); "
+                    "`false` tokenizes the raw text.")
+    max_prompt_tokens: int = Field(
+        default=256, gt=0,
+        description="The longest prompt, in tokens; a longer prompt is a data error (never truncated).")
+    shuffle: bool = Field(
+        default=True,
+        description="Reshuffle the training prompts every epoch (seeded by `seed`); `false` keeps the file's "
+                    "order.")
+
+
+class TrainConfig(Strict):
+    steps: int = Field(
+        default=100, gt=0,
+        description="Steps of the run. An RLVR step generates, rewards, computes advantages, trains and "
+                    "syncs the weights to the engines.")
+    lr: float = Field(default=1e-5, gt=0, description="The actor's AdamW learning rate (after warm-up).")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW `[beta1, beta2]`.")
+    warmup_steps: int = Field(
+        default=0, ge=0,
+        description="Linear learning-rate warm-up, in optimizer steps (not RL steps); 0: none.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        default="constant",
+        description="The learning rate after warm-up: `constant`, or `cosine`, which decays to 0 at the last "
+                    "step.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Clip gradients to this global norm.")
+    train_micro_batch_size: int = Field(
+        default=32, gt=0,
+        description="Samples per forward/backward pass (per data-parallel rank). Gradients accumulate and "
+                    "the loss is normalized over the whole mini-batch, so it never changes the update, only "
+                    "memory and speed.")
+    optimizer_steps_per_step: int = Field(
+        default=1, gt=0,
+        description="Mini-batches, i.e. optimizer steps, per RL step (PPO epochs of 1); > 1 recomputes the "
+                    "old logprobs so PPO ratios are exact.")
+    critic_lr: float = Field(
+        default=1e-5, gt=0,
+        description="The critic's AdamW learning rate (`algorithm.advantage: gae`); same warm-up and "
+                    "schedule as the actor.")
+    critic_warmup_steps: int = Field(
+        default=0, ge=0,
+        description="RL steps at the start that train only the critic while the actor stays frozen "
+                    "(`advantage: gae`; must be < `train.steps`).")
+
+
+class EvalConfig(Strict):
+    every_steps: int = Field(
+        default=10, ge=0,
+        description="Greedy eval on `data.eval` every N steps, and always before the first and after the "
+                    "last step; 0: only those two.")
+    max_new_tokens: int | None = Field(
+        default=None,
+        description="Response length limit of the eval, in tokens; `null`: `rollout.max_new_tokens`.")
+
+
+class RoleConfig(Strict):
+    """One role's workers. On CPU a worker's share of cores sets its torch thread count."""
+
+    num_workers: int = Field(
+        default=1, gt=0,
+        description="Workers (Ray actors) of the role. Under `backend: fsdp2` they are the ranks of one "
+                    "data-parallel model; `actor_train` and `critic` on the `torch` backend train in one "
+                    "process, while `torch` reference workers are replicas that split a batch's rows.")
+    num_cpus: float = Field(
+        default=1.0, gt=0,
+        description="CPU slots each worker reserves; a worker without a `device_mapping` runs this many "
+                    "torch / OpenMP threads.")
+    device_mapping: list[int] | None = Field(
+        default=None,
+        description="Global device indices of the role (ROLL's AutoDeviceMapping), split evenly over its "
+                    "workers. Roles whose devices overlap are colocated and time-share; disjoint roles run "
+                    "concurrently. `null`: no devices of its own (the CPU default: every role shares the "
+                    "machine's CPU slots). See [placement.md](placement.md).")
+
+
+class TrainerRoleConfig(RoleConfig):
+    """A role whose workers hold a training backend (actor_train, critic, reference)."""
+
+    backend: str = Field(
+        default="torch",
+        description="Training backend: `torch` (one process) or `fsdp2` (data parallel over `num_workers` "
+                    "ranks); see [backends.md](backends.md).")
+    backend_kwargs: dict[str, Any] = Field(
+        default={},
+        description="Backend-specific options passed through, e.g. fsdp2's `mixed_precision`. Checked at "
+                    "load time; a setting that has a config key of its own (`train.lr`, `model.dtype`, ...) "
+                    "is rejected.")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        if name not in BACKENDS:
+            raise ValueError(BACKENDS.unknown_message(name))
+        return name
+
+    @model_validator(mode="after")
+    def _backend_kwargs_are_its_own(self) -> TrainerRoleConfig:
+        repeated = sorted(set(self.backend_kwargs) & SETTINGS_FIELDS)
+        if repeated:
+            raise ValueError(
+                f"backend_kwargs sets {', '.join(repeated)}, which rollflow sets from the config; use the "
+                "config key instead (e.g. roles.actor_train.lora, train.lr, model.dtype)")
+        try:
+            check_backend_kwargs(self.backend, self.backend_kwargs)
+        except RollflowError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+
+class ActorTrainConfig(TrainerRoleConfig):
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="Train LoRA adapters instead of every weight (`torch` backend only); `null`: a full "
+                    "fine-tune. See [lora.md](lora.md).")
+
+
+class ActorInferConfig(RoleConfig):
+    engine: str = Field(
+        default="hf",
+        description="Inference engine: `hf` (transformers, CPU or one GPU), `vllm` or `sglang`; see "
+                    "[engines.md](engines.md).")
+    max_batch_size: int = Field(
+        default=256, gt=0,
+        description="Sequences one worker decodes together (vLLM's `max_num_seqs`, SGLang's "
+                    "`max_running_requests`).")
+    max_in_flight_requests: int = Field(
+        default=64, gt=0,
+        description="Requests (prompt groups) the router sends one worker at a time; the rest wait and go to "
+                    "whichever worker frees up first.")
+    engine_kwargs: dict[str, Any] = Field(
+        default={},
+        description="Engine-specific options passed through to the engine, e.g. any `vllm.AsyncEngineArgs` "
+                    "or SGLang `ServerArgs` field.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(ENGINES.unknown_message(name))
+        return name
+
+
+class ReferenceConfig(TrainerRoleConfig):
+    """The frozen reference policy (KL terms) and the teacher of on-policy distillation (`advantage: opd`)."""
+
+    model_path: str | None = Field(
+        default=None,
+        description="The reference model; `null`: `model.path` (the initial policy). A teacher for on-policy "
+                    "distillation must share the policy's tokenizer.")
+
+
+class RolesConfig(Strict):
+    """Every role's workers, by role name. A pipeline starts the roles it needs (`PIPELINES[name].roles`)."""
+
+    actor_train: ActorTrainConfig = Field(default=ActorTrainConfig(), description="The policy's trainer.")
+    actor_infer: ActorInferConfig = Field(
+        default=ActorInferConfig(), description="The inference engines that generate rollouts.")
+    reference: ReferenceConfig = Field(
+        default=ReferenceConfig(),
+        description="The frozen reference policy, started when a KL term (`algorithm.kl_loss_coef` or "
+                    "`algorithm.kl_reward_coef` > 0) or `advantage: opd` needs it. With LoRA the base model "
+                    "inside `actor_train` serves instead.")
+    critic: TrainerRoleConfig = Field(
+        default=TrainerRoleConfig(),
+        description="The value model, started when `algorithm.advantage` is `gae`; its learning rate is "
+                    "`train.critic_lr`.")
+    reward: RoleConfig = Field(
+        default=RoleConfig(),
+        description="Workers of each model-based reward (LLM judge, reward model), started when a reward "
+                    "needs one; see [rewards.md](rewards.md).")
+
+    def of(self, role: str) -> RoleConfig:
+        """The section of `role`."""
+        return getattr(self, role)
+
+    @model_validator(mode="after")
+    def _one_process_backends(self) -> RolesConfig:
+        for role in ("actor_train", "critic"):  # trained by one process unless data parallel
+            section = self.of(role)
+            if section.num_workers > 1 and section.backend == "torch":
+                raise ValueError(
+                    f"{role}.num_workers is {section.num_workers} but the torch backend trains in one "
+                    f"process; set roles.{role}.backend: fsdp2 for data-parallel training")
+        lora = self.actor_train.lora
+        if lora is not None and self.actor_train.backend != "torch":
+            raise ValueError(f"actor_train.lora works with the torch backend only "
+                             f"(got {self.actor_train.backend!r})")
+        return self
+
+
+class ClusterConfig(Strict):
+    address: str | None = Field(
+        default=None,
+        description="`null` starts a local Ray; `auto` or `host:port` joins a running cluster (passed to "
+                    "`ray.init`).")
+    num_cpus: int | None = Field(
+        default=None,
+        description="CPUs a local Ray may use; `null`: all of them. Unused when joining a cluster.")
+    device: Literal["cpu", "gpu"] = Field(
+        default="cpu",
+        description="What a device index in `roles.*.device_mapping` names: a CPU slot (core) or a GPU.")
+    num_devices: int | None = Field(
+        default=None,
+        description="Devices per node; `null`: the CPUs or GPUs Ray sees on each node. Device `d` is local "
+                    "device `d % num_devices` of node `d // num_devices`.")
+    weight_sync_bucket_mb: float = Field(
+        default=64.0, gt=0,
+        description="Size of one piece of the trainer -> engines weight transfer, in MiB.")
+    weight_sync_transport: Literal["object_store", "broadcast"] = Field(
+        default="object_store",
+        description="`object_store`: through Ray's object store (works anywhere); `broadcast`: a torch "
+                    "process group of the trainer's rank 0 and the engines (gloo on CPU, NCCL GPU to GPU).")
+
+
+class ChecksConfig(Strict):
+    logprob_parity_samples: int = Field(
+        default=8, ge=0,
+        description="At the first step the trainer recomputes the engine's logprobs of this many samples of "
+                    "every engine worker; 0 skips the check.")
+    logprob_parity_tolerance: float = Field(
+        default=1e-2, gt=0,
+        description="The largest absolute trainer-vs-engine logprob difference allowed; a larger one stops "
+                    "the run.")
+    weight_checksum: Literal["full", "bucket", "off"] = Field(
+        default="bucket",
+        description="`bucket`: the trainer hashes each weight bucket, each engine worker verifies it as it "
+                    "arrives; `full`: one digest over all weights, verified after the last bucket; `off`: no "
+                    "hashing (a corrupted transfer goes unnoticed). See "
+                    "[placement.md](placement.md#checksum-modes).")
+    fault_injection_flip_sync_byte_at: int | None = Field(
+        default=None, ge=1,
+        description="Test hook: corrupt the K-th weight transfer (flip one byte after the checksum is taken) "
+                    "to prove the engines catch it and the run stops. Never set it in a real run.")
+
+
+class OutputConfig(Strict):
+    dir: str = Field(
+        default="runs", description="Parent of run directories: a run writes to `output.dir/name`.")
+    save_every_steps: int = Field(
+        default=0, ge=0,
+        description="Checkpoint every N steps, and after the last one; 0: only the final checkpoint.")
+    samples_logged_per_step: int = Field(
+        default=4, ge=0, description="Decoded samples written to `samples.jsonl` per step.")
+    trackers: list[Literal["console", "jsonl", "tensorboard"]] = Field(
+        default=["console", "jsonl", "tensorboard"],
+        description="Where metrics go: `console` (one line per step), `jsonl` (`metrics.jsonl`), "
+                    "`tensorboard` (TensorBoard events).")
+
+
+class RunConfigBase(Strict):
+    """What every pipeline's run config has; `pipeline` names the pipeline (and so the config model)."""
+
+    name: str = Field(default="run", description="Name of the run: its directory is `output.dir/name`.")
+    pipeline: str = Field(
+        description="The pipeline to run, which selects the schema the rest of the config is checked "
+                    "against. A config without it runs `rlvr`.")
+    seed: int = Field(default=0, description="Seeds data order, sampling and initialization.")
+    resume: bool = Field(
+        default=False,
+        description="Continue from the newest complete `checkpoints/step_N` of the run directory. Otherwise "
+                    "(or with nothing to resume) the run starts afresh, with new metric and sample logs.")
+    model: ModelConfig = Field(default=ModelConfig(), description="The model to train.")
+    data: DataConfig = Field(default=DataConfig(), description="The prompt datasets and how prompts are "
+                                                               "read.")
+    train: TrainConfig = Field(
+        default=TrainConfig(), description="Length of the run, optimizer, learning-rate schedule, batch "
+                                           "splitting.")
+    eval: EvalConfig = Field(default=EvalConfig(), description="The periodic greedy eval on `data.eval`.")
+    roles: RolesConfig = Field(
+        default=RolesConfig(),
+        description="The workers of each role and where they run. A pipeline starts the roles it needs; "
+                    "`rollflow train CFG --print-plan` prints which worker of which role sits on which "
+                    "device and node. Each worker pins its torch / OpenMP threads to its share of CPU slots: "
+                    "on a 2-core machine a process with more threads than its share slows small ops ~100x.")
+    cluster: ClusterConfig = Field(
+        default=ClusterConfig(),
+        description="The Ray cluster, what a device index names, and how weights reach the engines; see "
+                    "[placement.md](placement.md).")
+    checks: ChecksConfig = Field(
+        default=ChecksConfig(),
+        description="Checks that stop a run whose trainer and engines do not run the same model.")
+    output: OutputConfig = Field(
+        default=OutputConfig(), description="Where a run writes its checkpoints, metrics and samples.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir) / self.name

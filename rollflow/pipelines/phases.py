@@ -1,0 +1,50 @@
+"""Phases of a step that more than one pipeline runs, as functions of explicit arguments: weight sync from
+the trainer to the engines, and greedy evaluation through the rollout scheduler."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from rollflow.cluster.colocation import ColocationManager
+from rollflow.cluster.groups import WorkerGroups
+from rollflow.data.prompts import EncodedPrompt
+from rollflow.engines.base import SamplingParams
+from rollflow.rollout.metrics import rollout_metrics
+from rollflow.rollout.scheduler import RolloutScheduler
+
+
+def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_bytes: int, checksum: str,
+                 corrupt: bool = False) -> dict[str, float]:
+    """Publish the trainer's weights and load them into every engine worker (`weight_sync` phase).
+
+    Args:
+        groups: the run's workers (`actor_train`, `actor_infer`).
+        colocation: moves roles for the phase.
+        bucket_bytes: transfer piece size.
+        checksum: "bucket" | "full" | "off" (`checks.weight_checksum`).
+        corrupt: flip one byte after the checksum is taken (`checks.fault_injection_flip_sync_byte_at`).
+
+    Returns:
+        sync/ metrics. Raises `WeightSyncError` when an engine worker receives corrupted weights.
+    """
+    colocation.enter("weight_sync")
+    started = time.perf_counter()
+    trainer, engines = groups["actor_train"], groups["actor_infer"]
+    manifest = trainer.call("weights_for_sync", bucket_bytes, checksum, corrupt)
+    sending = trainer.handles[0].send_weights.remote()  # broadcast transport only
+    loaded = ray.get(engines.call_async("update_weights", manifest))
+    ray.get(sending)
+    return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
+            "sync/buckets": manifest.num_buckets, "sync/version": manifest.version,
+            "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
+
+
+def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts: list[EncodedPrompt],
+             greedy: SamplingParams) -> dict[str, float]:
+    """Greedy completions of the eval prompts, scored with the run's rewards: `eval/` metrics."""
+    if not prompts:
+        return {}
+    colocation.enter("rollout")
+    return rollout_metrics(scheduler.generate(prompts, greedy).samples, prefix="eval")

@@ -1,0 +1,169 @@
+"""Role wiring: which worker class serves each role, how roles without devices of their own are placed, the
+order roles start in, the rendezvous of data-parallel ranks and the weight-broadcast group.
+
+`rollflow.cluster` places and spawns worker groups given a worker class and names no role; this module is
+where role names meet worker classes. A pipeline says which roles it needs (`PIPELINES[name].roles`) and
+starts them with `start_roles`.
+
+Every role worker is constructed as `cls(placement, config, *role_args)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from rollflow.cluster.groups import WorkerGroup, WorkerGroups, cluster_shape, reserve_bundles
+from rollflow.cluster.placement import PlacementPlan, plan_placement
+from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.config import RoleConfig, RunConfigBase
+from rollflow.data.sample import Batch
+from rollflow.errors import ConfigError
+from rollflow.registry import Registry, import_object
+
+# role -> "module:Class" of its worker; the module is imported when the role starts.
+ROLE_WORKERS: Registry[str] = Registry("role")
+ROLE_WORKERS.register("actor_train")("rollflow.workers.actor_train:ActorTrainWorker")
+ROLE_WORKERS.register("actor_infer")("rollflow.workers.rollout:RolloutWorker")
+ROLE_WORKERS.register("reference")("rollflow.workers.reference:ReferenceWorker")
+ROLE_WORKERS.register("critic")("rollflow.workers.critic:CriticWorker")
+ROLE_WORKERS.register("reward")("rollflow.workers.reward:RewardWorker")
+
+# Roles whose workers hold a training backend: their ranks meet at rank 0's address, then build it together.
+TRAINER_ROLES = ("actor_train", "critic", "reference")
+# Roles that must say where they run once any role has a device_mapping.
+CORE_ROLES = ("actor_train", "actor_infer")
+# Roles that follow actor_train's devices when they have no device_mapping of their own (ROLL colocates the
+# reference and the critic with the trainer by default).
+FOLLOWS_ACTOR_TRAIN = ("reference", "critic")
+
+
+def role_specs(config: RunConfigBase, roles: Sequence[str]) -> dict[str, RoleConfig]:
+    """Each role's config section, with the defaults the plan applies: once any role has a device_mapping,
+    actor_train and actor_infer need one, and the reference and critic follow actor_train's devices unless
+    they have their own. A role without a mapping then shares the machine (the CPU default).
+
+    Raises:
+        ConfigError: a core role without a mapping in a placed run, or a GPU run with no mapping at all.
+    """
+    for role in roles:
+        ROLE_WORKERS.get(role)  # an unknown role is a bug in the pipeline, named here
+    specs = {role: config.roles.of(role) for role in roles}
+    if any(spec.device_mapping is not None for spec in specs.values()):
+        for core in CORE_ROLES:
+            if core in specs and specs[core].device_mapping is None:
+                raise ConfigError(f"roles.{core}.device_mapping is missing: once any role has a device_mapping, "
+                                  "actor_train and actor_infer need one too")
+        for role in FOLLOWS_ACTOR_TRAIN:
+            if role in specs and specs[role].device_mapping is None:
+                mapping = specs["actor_train"].device_mapping
+                specs[role] = specs[role].model_copy(update={"device_mapping": mapping})
+    elif config.cluster.device == "gpu":
+        raise ConfigError("cluster.device is gpu but no role has a device_mapping; give actor_train and "
+                          "actor_infer one (e.g. device_mapping: [0, 1, 2, 3])")
+    return specs
+
+
+def plan_roles(config: RunConfigBase, roles: Sequence[str], devices_per_node: int,
+               num_nodes: int = 1) -> PlacementPlan:
+    """The validated placement plan of `roles` on a cluster of `num_nodes` x `devices_per_node` devices."""
+    return plan_placement(role_specs(config, roles), config.cluster.device, devices_per_node, num_nodes)
+
+
+def describe_plan(config: RunConfigBase, roles: Sequence[str]) -> str:
+    """The placement plan as `rollflow train --print-plan` prints it. Joins the Ray cluster when
+    `cluster.address` is set (to count its nodes); otherwise plans for this machine without Ray."""
+    if config.cluster.address:
+        start_ray(config.cluster.address)
+        try:
+            devices_per_node, num_nodes = cluster_shape(config.cluster.device, config.cluster.num_devices)
+        finally:
+            stop_ray()
+    else:
+        local = len(os.sched_getaffinity(0)) if config.cluster.device == "cpu" else torch.cuda.device_count()
+        devices_per_node, num_nodes = config.cluster.num_devices or config.cluster.num_cpus or local, 1
+    return plan_roles(config, roles, devices_per_node, num_nodes).describe()
+
+
+def start_roles(config: RunConfigBase, roles: Sequence[str],
+                role_args: Mapping[str, tuple[Any, ...]] | None = None) -> WorkerGroups:
+    """Plan, place and start every role's workers, wait until they are ready, build the trainers' backends
+    (data-parallel ranks meet first) and open the weight-broadcast group if the run uses one.
+
+    Args:
+        config: the run config.
+        roles: the roles to start, in start order (all start concurrently; the order is the plan's).
+        role_args: per role, constructor arguments after `(placement, config)` (e.g. actor_train's objective).
+
+    Returns:
+        The started groups. The caller shuts them down (`running_roles` does).
+
+    Raises:
+        ConfigError: a plan the cluster cannot hold. WorkerStartError: a worker that failed to start.
+    """
+    devices_per_node, num_nodes = cluster_shape(config.cluster.device, config.cluster.num_devices)
+    plan = plan_roles(config, roles, devices_per_node, num_nodes)
+    groups = WorkerGroups(plan, reserve_bundles(plan))
+    try:
+        for role in roles:
+            groups.spawn(role, import_object(ROLE_WORKERS[role]), config, *(role_args or {}).get(role, ()))
+        groups.wait_ready()
+        ray.get([ref for role in TRAINER_ROLES if role in groups for ref in _init_backends(groups[role])])
+        if config.cluster.weight_sync_transport == "broadcast":
+            _open_broadcast(groups["actor_train"], groups["actor_infer"])
+    except BaseException:
+        groups.shutdown()
+        raise
+    return groups
+
+
+@contextlib.contextmanager
+def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mapping[str, tuple[Any, ...]] | None = None,
+                  manage_ray: bool = True) -> Iterator[WorkerGroups]:
+    """Start Ray (if managed) and `roles`; on the way out, normal or not, stop them all.
+
+    Args:
+        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
+            Ray session and leaves it up (tests run many short runs in one session).
+    """
+    if manage_ray:
+        start_ray(config.cluster.address, config.cluster.num_cpus)
+    groups = None
+    try:
+        groups = start_roles(config, roles, role_args)
+        yield groups
+    finally:
+        if groups is not None:
+            groups.shutdown()
+        if manage_ray:
+            stop_ray()
+
+
+def _init_backends(group: WorkerGroup) -> list[ray.ObjectRef]:
+    """Every worker of a trainer role builds its backend; the ranks of a role meet at worker 0's address
+    (fsdp2 joins a process group there; the torch backend, one process per model, ignores it)."""
+    master_addr, master_port = ray.get(group.handles[0].rendezvous_address.remote())
+    return group.call_async("init_backend", master_addr, master_port, len(group))
+
+
+def _open_broadcast(actor_train: WorkerGroup, actor_infer: WorkerGroup) -> None:
+    """Form the weight-broadcast group: trainer rank 0 hosts it, engine worker i joins as rank i + 1."""
+    trainer = actor_train.handles[0]
+    host, port = ray.get(trainer.rendezvous_address.remote())
+    world_size = len(actor_infer) + 1
+    ray.get([trainer.open_broadcast.remote(host, port, world_size),
+             *[engine.open_broadcast.remote(host, port, rank + 1, world_size)
+               for rank, engine in enumerate(actor_infer.handles)]])
+
+
+def forward_rows(group: WorkerGroup, backend: str, method: str, batch: Batch) -> torch.Tensor:
+    """A frozen forward (`method` returns [b, T]) over a trainer role's workers: fsdp2 ranks each take the
+    whole batch (a collective; they shard it themselves), torch replicas each take a block of rows."""
+    if backend == "fsdp2":
+        return group.call(method, batch)
+    return group.map_rows(method, batch)
