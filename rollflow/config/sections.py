@@ -314,6 +314,12 @@ class ChecksConfig(Strict):
         description="Test hook: corrupt the K-th weight transfer (flip one byte after the checksum is taken) "
                     "to prove the engines catch it and the run stops. Never set it in a real run.")
 
+    @field_validator("weight_checksum", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false: `weight_checksum: off` means the mode "off"."""
+        return "off" if value is False else value
+
 
 class OutputConfig(Strict):
     dir: str = Field(

@@ -90,3 +90,13 @@ def test_override_inside_a_default_section_keeps_the_other_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train: {path: data.jsonl}\n")
     assert load_config(path).data.train.task is None
+
+
+def test_weight_checksum_off_survives_yaml(tmp_path):
+    """YAML reads a bare `off` as false; the checksum mode still means "off"."""
+    path = tmp_path / "c.yaml"
+    path.write_text("checks:\n  weight_checksum: off\n")
+    assert load_config(path).checks.weight_checksum == "off"
+    assert load_config(None, ["checks.weight_checksum=off"]).checks.weight_checksum == "off"
+    with pytest.raises(ConfigError, match="weight_checksum"):
+        load_config(None, ["checks.weight_checksum=on"])

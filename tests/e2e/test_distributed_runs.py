@@ -71,6 +71,19 @@ def test_colocated_fsdp2_run_resumes_disaggregated_on_one_rank(tmp_path, ray_ses
     assert not any(key.startswith(("offload/", "onload/")) for key in last)  # nothing shares a device
 
 
+def test_critic_and_reference_run_as_fsdp2_ranks(tmp_path, ray_session):
+    """Every trainer role takes roles.<role>.backend: a 2-rank sharded critic and reference beside the actor."""
+    placement, rows = _run(tmp_path, "sharded", "algorithm.advantage=gae", "algorithm.kl_loss_coef=0.1",
+                           "roles.critic.backend=fsdp2", "roles.critic.num_workers=2",
+                           "roles.reference.backend=fsdp2", "roles.reference.num_workers=2")
+    assert len(placement["critic"]) == 2 and len(placement["reference"]) == 2
+    last = rows[-1]
+    assert last["step"] == 2 and last["sync/version"] == 2
+    assert last["critic/value_loss"] > 0 and last["critic/grad_norm"] > 0  # the sharded critic trains
+    assert last["actor/kl"] > 0  # the sharded reference's logprobs reach the loss (after one update)
+    assert (tmp_path / "sharded" / "checkpoints" / "step_2" / "critic" / "optimizer").is_dir()
+
+
 MULTI_NODE = """
 import sys
 from ray.cluster_utils import Cluster
