@@ -75,7 +75,9 @@ def test_critic_and_reference_run_as_fsdp2_ranks(tmp_path, ray_session):
     """Every trainer role takes roles.<role>.backend: a 2-rank sharded critic and reference beside the actor."""
     placement, rows = _run(tmp_path, "sharded", "algorithm.advantage=gae", "algorithm.kl_loss_coef=0.1",
                            "roles.critic.backend=fsdp2", "roles.critic.num_workers=2",
-                           "roles.reference.backend=fsdp2", "roles.reference.num_workers=2")
+                           "roles.reference.backend=fsdp2", "roles.reference.num_workers=2",
+                           # a full-size first update: k3 of a warm-up step's tiny change rounds to 0 in fp32
+                           "train.warmup_steps=0", "train.lr=1e-3")
     assert len(placement["critic"]) == 2 and len(placement["reference"]) == 2
     last = rows[-1]
     assert last["step"] == 2 and last["sync/version"] == 2
