@@ -12,7 +12,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, publish_weights
 from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, trainer_settings
+from rollflow.workers.base import PlacedWorker, sampling_temperature, trainer_settings
 from rollflow.workers.objectives import OBJECTIVES, train_mini_batches
 
 
@@ -33,8 +33,7 @@ class ActorTrainWorker(PlacedWorker):
         self.config = config
         self.rank = placement.index
         self.loss = OBJECTIVES.get(objective)(config)
-        # logprobs are taken at the temperature the engines sampled at (1 for pipelines that do not sample)
-        self.temperature = getattr(getattr(config, "rollout", None), "temperature", 1.0)
+        self.temperature = sampling_temperature(config)
         self.mini_batches = config.train.optimizer_steps_per_step
         self.version = 0
         self.broadcast: BroadcastGroup | None = None

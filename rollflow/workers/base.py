@@ -15,8 +15,9 @@ from rollflow.cluster.runtime import free_port, memory_usage, pin_worker
 class PlacedWorker:
     """Base of the role workers (one level of inheritance): pins the process to its devices and threads.
 
-    Subclasses holding a backend (or an engine, via `_move`) get `offload()` / `onload()` and `close()` for
-    free; they call `require_resident(op)` before using the model.
+    Subclasses holding a backend get `offload()` / `onload()` and `close()` for free (they call the
+    backend's); workers holding an engine or scorers override them. They call `require_resident(op)` before
+    using the model.
 
     Args:
         placement: where this worker runs (from the placement plan).
@@ -89,6 +90,13 @@ def trainer_settings(config, **overrides) -> TrainerSettings:
         device=torch_device(config),
     )
     return TrainerSettings(**{**settings, **overrides})
+
+
+def sampling_temperature(config) -> float:
+    """The temperature the engines sampled at, which logprobs are taken at (1 for a pipeline without
+    a rollout section, which samples nothing)."""
+    rollout = getattr(config, "rollout", None)
+    return rollout.temperature if rollout is not None else 1.0
 
 
 def torch_device(config) -> str:

@@ -9,7 +9,7 @@ from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, trainer_settings
+from rollflow.workers.base import PlacedWorker, sampling_temperature, trainer_settings
 
 
 class ReferenceWorker(PlacedWorker):
@@ -24,7 +24,7 @@ class ReferenceWorker(PlacedWorker):
     def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
         super().__init__(placement, config.cluster.device)
         self.config = config
-        self.temperature = getattr(getattr(config, "rollout", None), "temperature", 1.0)
+        self.temperature = sampling_temperature(config)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the frozen model (a collective for fsdp2 ranks)."""
