@@ -31,6 +31,14 @@ class RolloutConfig(Strict):
         description="Nucleus sampling: sample from the most likely tokens that hold this much probability; "
                     "1: off.")
     top_k: int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0: off.")
+    deterministic: bool = Field(
+        default=True,
+        description="Reproducible rollouts: each sample draws from its own generator keyed by (seed, step, "
+                    "prompt, sample), and each engine worker gets its share of a step's prompts as one batch "
+                    "in a fixed order, so batch composition (and so every float) does not depend on timing. "
+                    "Two runs with the same seed and config then log the same metrics. `false` routes each "
+                    "prompt group to the least-loaded worker as it frees up (faster with several engine "
+                    "workers of uneven speed), at the cost of run-to-run differences.")
 
     @property
     def samples_per_step(self) -> int:
@@ -50,6 +58,14 @@ class RewardConfig(Strict):
         default=[RewardFunctionConfig(name="math_answer")],
         description="The reward functions. The training reward is their weighted sum; each is logged as "
                     "`rollout/reward/NAME`.")
+    timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Time limit of one call of a plain (Python) reward function; a call that runs longer "
+                    "fails its sample (`failed`, with the reason in `samples.jsonl`).")
+    num_threads: int = Field(
+        default=4, gt=0,
+        description="Threads that run plain reward functions off the driver's scheduling loop, so a slow "
+                    "reward never stalls generation.")
 
 
 NormalizationMode = Literal["none", "batch", "group", "running"]

@@ -123,6 +123,11 @@ class TrainConfig(Strict):
         default=0, ge=0,
         description="RL steps at the start that train only the critic while the actor stays frozen "
                     "(`advantage: gae`; must be < `train.steps`).")
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        default="stop",
+        description="A non-finite loss or gradient norm: `stop` ends the run with one line before the bad "
+                    "update reaches any weight (the last checkpoint stays good); `skip_step` drops that "
+                    "optimizer step (counted in `train/skipped_steps`) and goes on.")
 
 
 class EvalConfig(Strict):
@@ -292,6 +297,11 @@ class ClusterConfig(Strict):
         default="object_store",
         description="`object_store`: through Ray's object store (works anywhere); `broadcast`: a torch "
                     "process group of the trainer's rank 0 and the engines (gloo on CPU, NCCL GPU to GPU).")
+    watchdog_s: float = Field(
+        default=900.0, gt=0,
+        description="Stop the run with an error naming the phase and the workers it waits on when a phase "
+                    "makes no progress (no group generated or scored, no worker call returned) for this many "
+                    "seconds.")
 
 
 class ChecksConfig(Strict):
@@ -329,6 +339,10 @@ class OutputConfig(Strict):
         description="Checkpoint every N steps, and after the last one; 0: only the final checkpoint.")
     samples_logged_per_step: int = Field(
         default=4, ge=0, description="Decoded samples written to `samples.jsonl` per step.")
+    save_on_interrupt: bool = Field(
+        default=True,
+        description="On Ctrl-C (SIGINT) or SIGTERM, save a checkpoint of the last finished step before "
+                    "exiting, so `resume: true` continues from it.")
     trackers: list[Literal["console", "jsonl", "tensorboard"]] = Field(
         default=["console", "jsonl", "tensorboard"],
         description="Where metrics go: `console` (one line per step), `jsonl` (`metrics.jsonl`), "
