@@ -1,6 +1,8 @@
 """`rollflow` command line: train, eval, build-tiny-model.
 
-User errors (bad config, missing files, unloadable reward) print one line and exit with status 2.
+User errors (bad config, missing files, unloadable reward) print one line and exit with status 2; a run that
+fails at run time (a dead or stalled worker, non-finite training) prints one line and exits with status 1; a
+stop signal exits with 130 (SIGINT) or 143 (SIGTERM) after saving the last finished step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ EXIT_USER_ERROR = 2
 def _train(args: argparse.Namespace) -> int:
     """Run the pipeline the config names (`pipeline:`, default rlvr) through `rollflow.pipelines.PIPELINES`."""
     from rollflow.config import dump_config, load_config
+    from rollflow.errors import RollflowError
     from rollflow.pipelines import PIPELINES
 
     config = load_config(args.config, args.overrides)
@@ -27,9 +30,27 @@ def _train(args: argparse.Namespace) -> int:
 
         print(describe_plan(config, pipeline.roles_of(config)))
         return 0
-    final = pipeline.runner()(config)
+    try:
+        final = pipeline.runner()(config)
+    except RollflowError as err:
+        _keep_worker_traceback(err, config.run_dir)
+        raise
     print(f"run directory: {config.run_dir}")
     return 0 if final else 1
+
+
+def _keep_worker_traceback(err: BaseException, run_dir) -> None:
+    """A worker's full traceback (`WorkerError.details`) goes to `run_dir/error.log`; the one-line message
+    says where."""
+    details = getattr(err, "details", "")
+    if not details or not run_dir.is_dir():
+        return
+    path = run_dir / "error.log"
+    try:
+        path.write_text(details)
+    except OSError:
+        return
+    err.args = (f"{err} (worker traceback: {path})",)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -97,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     from rollflow.errors import RollflowError
+    from rollflow.pipelines.interrupts import Interrupted
 
     try:
         return args.handler(args)
-    except RollflowError as err:
+    except RollflowError as err:  # user errors exit 2, run-time failures (a dead worker, a stall) exit 1
         print(f"rollflow: error: {_remote_cause(err)}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(err, "exit_code", EXIT_USER_ERROR)
+    except Interrupted as err:
+        print(f"rollflow: interrupted ({err.signal_name})", file=sys.stderr)
+        return err.exit_status
     except KeyboardInterrupt:
         print("rollflow: interrupted", file=sys.stderr)
         return 130

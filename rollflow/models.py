@@ -6,7 +6,11 @@ model is the one that loads a real model.
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -14,11 +18,18 @@ from rollflow.errors import ModelLoadError
 
 BUNDLED_MODELS = {"tiny": Path(__file__).parent / "assets" / "tiny-qwen2-add"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A loadable model directory holds weights and a tokenizer; these are the files that count as each.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "*.tiktoken")
+HUB_PROBE_TIMEOUT_S = 3.0
 
 
 def resolve_model_path(path: str) -> str:
     """Map a bundled name (`tiny`) to its directory, check a local directory (a LoRA checkpoint resolves to
     its `merged/` model), or pass a hub id through."""
+    if "\x00" in path:
+        raise ModelLoadError(f"model path {path!r} contains a NUL character")
     if path in BUNDLED_MODELS:
         if not (BUNDLED_MODELS[path] / "config.json").is_file():
             raise ModelLoadError(f"bundled model {path!r} is missing from {BUNDLED_MODELS[path]}; "
@@ -34,6 +45,97 @@ def resolve_model_path(path: str) -> str:
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise ModelLoadError(f"model path {path!r} does not exist")
     return path  # a hub id like "Qwen/Qwen2.5-0.5B"; transformers resolves it (its cache when offline)
+
+
+def check_model_files(path: str) -> str:
+    """What the driver checks of a model before any worker loads it: a local directory has weights and a
+    tokenizer; a hub id is in the local Hugging Face cache or the hub answers (transformers would otherwise
+    retry for ~50 s, printing each retry, before failing).
+
+    Args:
+        path: bundled name, local directory (or LoRA checkpoint) or hub id, as in `model.path`.
+
+    Returns:
+        The resolved path (see `resolve_model_path`).
+
+    Raises:
+        ModelLoadError: one line naming what is missing.
+    """
+    resolved = resolve_model_path(path)
+    directory = Path(resolved)
+    if directory.is_dir():
+        if not _has_any(directory, WEIGHT_FILES):
+            raise ModelLoadError(f"model directory {directory} has no weights (no *.safetensors, *.bin or their "
+                                 "index files); save the model there with save_pretrained")
+        if not _has_any(directory, TOKENIZER_FILES):
+            raise ModelLoadError(f"model directory {directory} has no tokenizer (no tokenizer.json, "
+                                 "tokenizer_config.json or vocabulary file); save it there with "
+                                 "tokenizer.save_pretrained")
+        return resolved
+    _check_hub_model(resolved)
+    return resolved
+
+
+def _has_any(directory: Path, patterns: tuple[str, ...]) -> bool:
+    return any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
+def _check_hub_model(repo_id: str) -> None:
+    """A hub id must be cached locally, or the hub reachable (checked in a few seconds, not retried)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ModelLoadError(f"model path {repo_id!r} is neither a local directory nor a valid hub id "
+                             f"({_first_line(err)})") from None
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers loads it without the network
+    where = f"not a local directory and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise ModelLoadError(f"model {repo_id!r} is {where}, and HF_HUB_OFFLINE is set; download it first or "
+                             "give a local directory")
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    if not _reachable(host, port, HUB_PROBE_TIMEOUT_S):
+        raise ModelLoadError(f"model {repo_id!r} is {where}, and the hub ({host}) cannot be reached; download "
+                             "it first (`huggingface-cli download`) or give a local directory")
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connection to host:port opens within `timeout_s`, name lookup included (in a daemon
+    thread: a lookup can hang past any socket timeout)."""
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    thread = threading.Thread(target=probe, name="rollflow-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(outcome and outcome[0])
+
+
+def load_model_config(path: str, trust_remote_code: bool = False):
+    """The model's `transformers` config (context length, vocabulary size, ...) without loading weights.
+
+    Raises:
+        ModelLoadError: the config cannot be read (one line).
+    """
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    resolved = resolve_model_path(path)
+    try:
+        return AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises many types (OSError, ValueError, KeyError for unknown types)
+        raise ModelLoadError(f"cannot read the model config of {path!r}: {_first_line(err)}") from None
 
 
 def _quiet_transformers() -> None:

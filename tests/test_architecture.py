@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": BASE | {"algorithms", "backends", "engines"},
     "trackers": BASE | {"data"},
     "cluster": BASE | {"data"},
-    "rollout": BASE | {"algorithms", "data", "engines", "rewards"},
+    "rollout": BASE | {"algorithms", "cluster", "data", "engines", "rewards"},
     "workers": BASE | {"algorithms", "data", "models", "backends", "engines", "rewards", "config", "cluster"},
     "pipelines": BASE | {"algorithms", "data", "models", "backends", "engines", "rewards", "config", "cluster",
                          "trackers", "rollout", "workers"},

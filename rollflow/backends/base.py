@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 LossFn = Callable[[torch.Tensor, "Batch", "LossNormalizer"], tuple[torch.Tensor, dict[str, float]]]
 
 LR_SCHEDULES = ("constant", "cosine")
+ON_NONFINITE = ("stop", "skip_step")
 
 
 @runtime_checkable
@@ -65,7 +66,10 @@ class TrainingBackend(Protocol):
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the whole batch. Returns metrics: the loss function's, `loss`,
-        `grad_norm`, `lr`."""
+        `grad_norm`, `lr`, `skipped_steps` (1 when a non-finite loss or gradient norm dropped the step).
+
+        Raises NonFiniteError for a non-finite loss or gradient norm with `on_nonfinite="stop"`, and for
+        weights a step made non-finite."""
         ...
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -105,6 +109,8 @@ class TrainerSettings:
         lora: `rollflow.config.LoraConfig` fields (rank, alpha, dropout, target_modules) to train LoRA
             adapters instead of all weights (validated when the model is built); None trains every weight.
         device: "cpu", "cuda", or None for CUDA when available. Inputs move to it per micro-batch.
+        on_nonfinite: a non-finite loss or gradient norm: "stop" raises NonFiniteError, "skip_step" drops
+            the step (gradient cleared, weights and LR schedule unchanged) and goes on.
     """
 
     model_path: str
@@ -123,12 +129,15 @@ class TrainerSettings:
     max_response_length: int | None = None
     lora: dict[str, Any] | None = None
     device: str | None = None
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         if self.lora is not None and (self.value_head or not self.trainable):
             raise ValueError("lora needs a trainable causal LM (not value_head=True or trainable=False)")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; valid: {', '.join(ON_NONFINITE)}")
 
 
 # The config rejects `backend_kwargs` that repeat one of these: they come from typed config keys.
@@ -340,18 +349,54 @@ class TrainingBackendBase:
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * weight
         return loss_sum, metric_sums
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _optimizer_step(self, loss: float) -> dict[str, float]:
         """Clip the accumulated gradient by its global norm, step AdamW and the LR schedule, clear it.
 
+        A non-finite `loss` or gradient norm never reaches the weights: the gradient is cleared, then
+        `on_nonfinite="stop"` raises NonFiniteError and "skip_step" returns without stepping (nor advancing
+        the LR schedule). After a real step the stepped weights are checked (their float64 2-norm, one
+        pass): non-finite ones raise NonFiniteError in both modes, so they are never synced or saved.
+
+        Args:
+            loss: the batch's loss, the same number on every rank (every rank must decide alike).
+
         Returns:
-            {"grad_norm": the global norm before clipping, "lr": the LR of the next step}.
+            {"grad_norm": the global norm before clipping, "lr": the LR of the next step, "skipped_steps":
+            1.0 when the step was dropped, else 0.0}.
+
+        Raises:
+            NonFiniteError: as above; its message names the optimizer step (1-based, counted by the LR
+            schedule, so it survives a resume).
         """
+        from rollflow.errors import NonFiniteError
+
         # clip exactly what the optimizer steps (all weights, or just the LoRA adapters)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.settings.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: already reduced over ranks
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = _reduced(torch.nn.utils.clip_grad_norm_(parameters, self.settings.max_grad_norm))
+        step = self.scheduler.last_epoch + 1  # this update's number: LambdaLR starts at 0, +1 per step
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("grad norm", grad_norm)
+            if self.settings.on_nonfinite == "stop":
+                raise NonFiniteError(f"non-finite {what} ({value}) at optimizer step {step}; the weights were "
+                                     "not updated", weights_updated=False)
+            return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": 1.0}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0]}
+        if not math.isfinite(_weights_norm(parameters)):
+            raise NonFiniteError(f"weights became non-finite after optimizer step {step}", weights_updated=True)
+        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": 0.0}
+
+
+@torch.no_grad()
+def _weights_norm(parameters: list[torch.Tensor]) -> float:
+    """The global 2-norm of `parameters`, accumulated in float64: finite for any finite float32 weights (in
+    float32 the squares overflow past |w| ~ 1e19), NaN or inf as soon as one weight is. One foreach pass."""
+    norms = torch._foreach_norm(parameters, 2.0, dtype=torch.float64)  # what clip_grad_norm_ runs on grads
+    return _reduced(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+def _reduced(norm: torch.Tensor) -> float:
+    """A norm over parameters as a float; under FSDP2 it is a DTensor, reduced over the ranks here."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

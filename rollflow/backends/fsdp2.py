@@ -206,12 +206,12 @@ class FSDP2Backend(TrainingBackendBase):
         Returns:
             Global metrics, identical on every rank: `loss` (the global loss, summed over ranks and
             micro-batches), the loss function's metrics averaged over the global batch weighted by trained
-            tokens, `grad_norm` (global, before clipping) and `lr`.
+            tokens, `grad_norm` (global, before clipping), `lr` and `skipped_steps` (see `_optimizer_step`).
         """
         self.require_resident("train_step")
         local_loss, local_sums = self._accumulate_gradients(batch, self._passes(batch), loss_fn)
         loss, metric_sums = self._sum_over_ranks(local_loss, local_sums)
-        step = self._optimizer_step()  # clips by the global norm
+        step = self._optimizer_step(loss)  # clips by the global norm; decides alike on every rank
         return {**metric_sums, "loss": loss, **step}
 
     def _sum_over_ranks(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:

@@ -52,11 +52,12 @@ class TorchBackend(TrainingBackendBase):
 
         Returns:
             The loss function's metrics averaged over the batch weighted by trained tokens, `loss` (summed
-            over micro-batches: the batch's loss), `grad_norm` (before clipping) and `lr`.
+            over micro-batches: the batch's loss), `grad_norm` (before clipping), `lr` and `skipped_steps`
+            (1 when a non-finite loss or gradient norm dropped the step, see `_optimizer_step`).
         """
         self.require_resident("train_step")
         loss, metric_sums = self._accumulate_gradients(batch, self._passes(batch), loss_fn)
-        step = self._optimizer_step()
+        step = self._optimizer_step(loss)
         return {**metric_sums, "loss": loss, **step}
 
     def named_weights(self) -> dict[str, torch.Tensor]:

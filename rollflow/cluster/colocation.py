@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import ray
-
 from rollflow.cluster.placement import PlacementPlan
 
 
@@ -66,7 +64,7 @@ class ColocationManager:
             if not roles:
                 continue
             refs = {role: self.groups[role].call_async(action) for role in roles}
-            for role, results in ((role, ray.get(r)) for role, r in refs.items()):
+            for role, results in ((role, self.groups[role].get(r, action)) for role, r in refs.items()):
                 self.resident[role] = action == "onload"
                 self.metrics[f"{action}/{role}_seconds"] = self.metrics.get(f"{action}/{role}_seconds", 0.0) \
                     + max(r["seconds"] for r in results)

@@ -22,6 +22,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rollflow.cluster import calls
 from rollflow.cluster.placement import PlacementPlan, WorkerPlacement
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError, RollflowError
@@ -37,16 +38,22 @@ class WorkerStartError(RollflowError):
 class WorkerGroup:
     """The Ray actors of one role, with the two ways the driver calls them.
 
+    Every wait on a result is bounded by `timeout_s` and fails in one line naming the role, the worker and
+    the method (`rollflow.cluster.calls`).
+
     Args:
         role: the role name.
         handles: actor handles, in worker-index order.
         placements: where each worker runs.
+        timeout_s: most seconds a wait on this group's calls goes without any result (`cluster.watchdog_s`).
     """
 
-    def __init__(self, role: str, handles: list, placements: list[WorkerPlacement]):
+    def __init__(self, role: str, handles: list, placements: list[WorkerPlacement],
+                 timeout_s: float = calls.DEFAULT_WATCHDOG_S):
         self.role = role
         self.handles = handles
         self.placements = placements
+        self.timeout_s = timeout_s
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -54,13 +61,23 @@ class WorkerGroup:
     def call(self, method: str, *args: Any) -> Any:
         """Call `method` on every worker with the same arguments (put in the object store once) and return
         worker 0's result. For data-parallel ranks, whose results agree (global metrics, gathered tensors)."""
-        return ray.get(self.call_async(method, *args))[0]
+        return self.get(self.call_async(method, *args), method)[0]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """`method` on every worker, same arguments; returns every worker's result, in worker order."""
+        return self.get(self.call_async(method, *args), method)
 
     def call_async(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        """`method` on every worker, same arguments; returns the result refs in worker order."""
+        """`method` on every worker, same arguments; returns the result refs in worker order (wait on them
+        with `get`)."""
         if len(self.handles) > 1:
             args = tuple(ray.put(a) if isinstance(a, (Batch, torch.Tensor, dict)) else a for a in args)
         return [getattr(handle, method).remote(*args) for handle in self.handles]
+
+    def get(self, refs: list[ray.ObjectRef], method: str, indices: list[int] | None = None) -> list[Any]:
+        """The results of `refs` (`method` on workers `indices`, default every worker in order), bounded by
+        `timeout_s`; a failure raises one line (`rollflow.cluster.calls.get`)."""
+        return calls.get(refs, self.role, method, indices, self.timeout_s)
 
     def map_rows(self, method: str, batch: Batch) -> torch.Tensor:
         """Split `batch` into contiguous row blocks, one per worker, call `method` on each block and
@@ -68,13 +85,13 @@ class WorkerGroup:
         blocks = [rows for rows in torch.arange(batch.size).tensor_split(len(self.handles)) if rows.numel()]
         refs = [getattr(handle, method).remote(batch.select(rows))
                 for handle, rows in zip(self.handles, blocks)]
-        parts = ray.get(refs)
+        parts = self.get(refs, method, list(range(len(refs))))
         width = max(part.shape[1] for part in parts)
         return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
 
     def nodes(self) -> list[str]:
         """The Ray node id each worker runs on."""
-        return ray.get([handle.node_id.remote() for handle in self.handles])
+        return self.get([handle.node_id.remote() for handle in self.handles], "node_id")
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every worker's constructor has run.
@@ -100,7 +117,8 @@ class WorkerGroup:
 
 
 def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
-                bundles: PlacementGroup | None = None, *args: Any) -> WorkerGroup:
+                bundles: PlacementGroup | None = None, *args: Any,
+                timeout_s: float = calls.DEFAULT_WATCHDOG_S) -> WorkerGroup:
     """Start one Ray actor of `worker_cls` per placement: `worker_cls(placement, *args)`.
 
     Returns at once; the constructors run in the background (`WorkerGroup.wait_ready` waits for them).
@@ -111,11 +129,12 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
         placements: one per worker, from the plan.
         bundles: the run's placement group (`reserve_bundles`), or None when nothing is placed.
         *args: the rest of each worker's constructor arguments.
+        timeout_s: the group's bound on waiting for a result (`cluster.watchdog_s`).
     """
     remote_class = ray.remote(worker_cls)  # once per group, not per worker
     handles = [remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
                for placement in placements]
-    return WorkerGroup(role, handles, placements)
+    return WorkerGroup(role, handles, placements, timeout_s)
 
 
 class WorkerGroups(Mapping[str, WorkerGroup]):
@@ -124,16 +143,20 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
     Args:
         plan: the placement plan they were started from.
         bundles: the placement group reserved for the plan (None when nothing is placed).
+        timeout_s: every group's bound on waiting for a result (`cluster.watchdog_s`).
     """
 
-    def __init__(self, plan: PlacementPlan, bundles: PlacementGroup | None = None):
+    def __init__(self, plan: PlacementPlan, bundles: PlacementGroup | None = None,
+                 timeout_s: float = calls.DEFAULT_WATCHDOG_S):
         self.plan = plan
         self.bundles = bundles
+        self.timeout_s = timeout_s
         self.groups: dict[str, WorkerGroup] = {}
 
     def spawn(self, role: str, worker_cls: type, *args: Any) -> WorkerGroup:
         """`spawn_group` for `role` with the plan's placements; the group joins this mapping."""
-        self.groups[role] = spawn_group(role, worker_cls, self.plan.workers[role], self.bundles, *args)
+        self.groups[role] = spawn_group(role, worker_cls, self.plan.workers[role], self.bundles, *args,
+                                        timeout_s=self.timeout_s)
         return self.groups[role]
 
     def wait_ready(self) -> None:

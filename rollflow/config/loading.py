@@ -2,7 +2,8 @@
 
 `RunConfig` is a union of the pipelines' config models, discriminated by the `pipeline` key (default
 `rlvr`); `PIPELINE_CONFIGS` maps each pipeline name to its model. Unknown keys are errors that name the key
-and suggest the nearest valid one.
+and suggest the nearest valid one; a key given twice in one mapping is an error too (YAML would silently keep
+the second: a repeated `train:` block would reset `steps`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,54 @@ PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
 
 RunConfig = Annotated[Union[tuple(PIPELINE_CONFIGS[name] for name in PIPELINE_CONFIGS)],  # noqa: UP007
                       Field(discriminator="pipeline")]
+
+
+class _DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: object, first_line: int, line: int):
+        lines = f"lines {first_line} and {line}" if first_line != line else f"line {line}"
+        super().__init__(f"key {key!r} appears twice in one mapping ({lines}); YAML would silently keep only "
+                         "the second: merge the two")
+        self.key = key
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line: what is wrong and where (PyYAML's own text spans several lines)."""
+    problem = getattr(err, "problem", None)
+    if not problem:
+        return " ".join(str(err).split())
+    mark = getattr(err, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    hint = "; indent with spaces, not tabs" if "'\\t'" in problem else ""
+    return f"{problem}{where}{hint}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` whose mappings refuse a key given twice. A key a `<<` merge brings in may still be
+    overridden by an explicit one (that is what merges are for)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}  # key -> the line it first appears on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:  # an unhashable key: the base constructor names the problem
+                continue
+            if key in seen:
+                raise _DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML text (a config file or an override's value) like `yaml.safe_load`, refusing duplicate keys.
+
+    Raises:
+        yaml.YAMLError: invalid YAML, or a key given twice in one mapping.
+    """
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no Python objects
 
 
 def config_model(pipeline: object) -> type[RunConfigBase]:
@@ -66,9 +115,11 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = parse_yaml(raw) if raw.strip() else ""
+        except _DuplicateKeyError as err:
+            raise ConfigError(f"override {item!r}: key {err.key!r} appears twice in one mapping") from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({err.problem})") from None
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({_yaml_problem(err)})") from None
         parsed.append((key.strip(), value))
     tree.update({key: value for key, value in parsed if key == "pipeline"})
     if parsed:
@@ -132,21 +183,38 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a YAML config (or start from defaults when `path` is None), apply overrides, validate.
 
     Raises:
-        ConfigError: missing or unreadable file, bad YAML, unknown key, wrong type, bad batch sizes.
+        ConfigError: missing, unreadable, non-UTF-8 or empty file, bad YAML, a key given twice, unknown key,
+            wrong type, bad batch sizes.
     """
     tree: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}".replace("\n", " ")) from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
-        tree = loaded or {}
+        tree = _read_config_file(Path(path))
     return build_config(apply_overrides(tree, overrides or []))
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping a config file holds; `ConfigError` (one line) for anything else."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}); is it a YAML file?") from None
+    try:
+        loaded = parse_yaml(text)
+    except _DuplicateKeyError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(err)}") from None
+    if loaded is None:
+        raise ConfigError(f"config file {path} is empty; write at least the keys you change from the defaults "
+                          "(e.g. `name: my_run`)")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
+    return loaded
 
 
 def dump_config(config: RunConfig) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -14,6 +14,10 @@ from rollflow.algorithms import (
     check_hyperparams,
 )
 from rollflow.config.sections import RunConfigBase, Strict
+
+# Estimators whose baseline is the mean of the sample's prompt group: with one sample per prompt the sample is
+# its own baseline and every reward-based advantage is 0 (tests/config check this against the estimators).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "lite_ppo")
 
 
 class RolloutConfig(Strict):
@@ -56,8 +60,8 @@ class RewardFunctionConfig(Strict):
 class RewardConfig(Strict):
     functions: list[RewardFunctionConfig] = Field(
         default=[RewardFunctionConfig(name="math_answer")],
-        description="The reward functions. The training reward is their weighted sum; each is logged as "
-                    "`rollout/reward/NAME`.")
+        description="The reward functions, at least one, each name once. The training reward is their "
+                    "weighted sum; each is logged as `rollout/reward/NAME`.")
     timeout_s: float = Field(
         default=60.0, gt=0,
         description="Time limit of one call of a plain (Python) reward function; a call that runs longer "
@@ -66,6 +70,19 @@ class RewardConfig(Strict):
         default=4, gt=0,
         description="Threads that run plain reward functions off the driver's scheduling loop, so a slow "
                     "reward never stalls generation.")
+
+    @field_validator("functions")
+    @classmethod
+    def _distinct_names(cls, functions: list[RewardFunctionConfig]) -> list[RewardFunctionConfig]:
+        """What `rollflow.rewards.combine_rewards` would refuse at run time, refused at load time."""
+        if not functions:
+            raise ValueError("a run needs at least one reward function")
+        names = [function.name for function in functions]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each reward may appear once (its name keys its logged value); repeated: "
+                             f"{', '.join(repeated)}")
+        return functions
 
 
 NormalizationMode = Literal["none", "batch", "group", "running"]
@@ -278,6 +295,19 @@ class RLVRConfig(RunConfigBase):
                 f"train.train_micro_batch_size ({micro}) x roles.actor_train.num_workers ({workers}); "
                 f"change train.train_micro_batch_size or rollout.prompts_per_step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fit_the_estimator(self) -> RLVRConfig:
+        advantage = self.algorithm.advantage
+        group_baseline = advantage == "reinforce_pp" and self.algorithm.advantage_kwargs.get("group_baseline")
+        if self.rollout.samples_per_prompt == 1 and (advantage in GROUP_ESTIMATORS or group_baseline):
+            baseline = "with group_baseline " if group_baseline else ""
+            raise ValueError(
+                f"algorithm.advantage {advantage!r} {baseline}compares each sample with the other samples of "
+                "its prompt, but rollout.samples_per_prompt is 1: every advantage would be 0 and the policy "
+                "would learn nothing from the reward; set rollout.samples_per_prompt >= 2, or use an "
+                "estimator without groups (reinforce, reinforce_pp, gae)")
         return self
 
     @model_validator(mode="after")

@@ -7,10 +7,12 @@ carries a `description`: `rollflow.config.reference` renders them into docs/conf
 
 from __future__ import annotations
 
+import math
+import unicodedata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rollflow.backends import BACKENDS, check_backend_kwargs
 from rollflow.backends.base import SETTINGS_FIELDS
@@ -19,10 +21,29 @@ from rollflow.engines import ENGINES
 from rollflow.errors import RollflowError
 
 BUNDLED_MODEL = "tiny"  # `model.path: tiny` loads the model shipped in rollflow/assets/
+SEED_LIMIT = 2**64  # torch's generators take a seed in [0, 2**64); a larger one overflows inside a worker
+MAX_NAME_LENGTH = 100
+
+
+def _leaf_annotations(annotation: Any) -> list[Any]:
+    args = get_args(annotation)
+    return [leaf for arg in args for leaf in _leaf_annotations(arg)] if args else [annotation]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Base of every config section: unknown keys are errors, numbers are finite (no NaN or inf), and a
+    boolean is not taken for a number (`steps: true` would otherwise mean 1 step)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            leaves = _leaf_annotations(cls.model_fields[info.field_name].annotation)
+            if (int in leaves or float in leaves) and bool not in leaves and Any not in leaves:
+                raise ValueError("expected a number, not true / false")
+        return value
 
 
 class ModelConfig(Strict):
@@ -97,7 +118,7 @@ class TrainConfig(Strict):
                     "syncs the weights to the engines.")
     lr: float = Field(default=1e-5, gt=0, description="The actor's AdamW learning rate (after warm-up).")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW `[beta1, beta2]`.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW `[beta1, beta2]`, each in [0, 1).")
     warmup_steps: int = Field(
         default=0, ge=0,
         description="Linear learning-rate warm-up, in optimizer steps (not RL steps); 0: none.")
@@ -127,7 +148,14 @@ class TrainConfig(Strict):
         default="stop",
         description="A non-finite loss or gradient norm: `stop` ends the run with one line before the bad "
                     "update reaches any weight (the last checkpoint stays good); `skip_step` drops that "
-                    "optimizer step (counted in `train/skipped_steps`) and goes on.")
+                    "optimizer step (counted in the `skipped_steps` metric) and goes on.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError("AdamW betas must each be in [0, 1) (torch's AdamW refuses others)")
+        return betas
 
 
 class EvalConfig(Strict):
@@ -136,7 +164,7 @@ class EvalConfig(Strict):
         description="Greedy eval on `data.eval` every N steps, and always before the first and after the "
                     "last step; 0: only those two.")
     max_new_tokens: int | None = Field(
-        default=None,
+        default=None, gt=0,
         description="Response length limit of the eval, in tokens; `null`: `rollout.max_new_tokens`.")
 
 
@@ -334,6 +362,16 @@ class ChecksConfig(Strict):
 class OutputConfig(Strict):
     dir: str = Field(
         default="runs", description="Parent of run directories: a run writes to `output.dir/name`.")
+
+    @field_validator("dir")
+    @classmethod
+    def _printable_dir(cls, path: str) -> str:
+        if not path:
+            raise ValueError("must not be empty (`.` is the current directory)")
+        control = _control_characters(path)
+        if control:
+            raise ValueError(f"must not contain control characters ({control})")
+        return path
     save_every_steps: int = Field(
         default=0, ge=0,
         description="Checkpoint every N steps, and after the last one; 0: only the final checkpoint.")
@@ -352,11 +390,18 @@ class OutputConfig(Strict):
 class RunConfigBase(Strict):
     """What every pipeline's run config has; `pipeline` names the pipeline (and so the config model)."""
 
-    name: str = Field(default="run", description="Name of the run: its directory is `output.dir/name`.")
+    name: str = Field(
+        default="run",
+        description=f"Name of the run: its directory is `output.dir/name`. A plain name: at most "
+                    f"{MAX_NAME_LENGTH} characters, no `/` or `\\`, not `.` or `..`, no control characters.")
     pipeline: str = Field(
         description="The pipeline to run, which selects the schema the rest of the config is checked "
                     "against. A config without it runs `rlvr`.")
-    seed: int = Field(default=0, description="Seeds data order, sampling and initialization.")
+    seed: int = Field(
+        default=0,
+        description="Seeds data order, sampling and initialization: an integer in [0, 2**64) (torch's "
+                    "generators take 64 bits); per-worker and per-step seeds are hashed from it "
+                    "(`rollflow.data.seeds.derive_seed`).")
     resume: bool = Field(
         default=False,
         description="Continue from the newest complete `checkpoints/step_N` of the run directory. Otherwise "
@@ -384,6 +429,80 @@ class RunConfigBase(Strict):
     output: OutputConfig = Field(
         default=OutputConfig(), description="Where a run writes its checkpoints, metrics and samples.")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        problem = _name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _integer_seed(cls, seed: Any) -> Any:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError("must be an integer in [0, 2**64)")
+        if not 0 <= seed < SEED_LIMIT:
+            raise ValueError("must be in [0, 2**64): torch's random generators take a 64-bit seed")
+        return seed
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, tree: Any) -> Any:
+        """NaN or inf anywhere in the tree, pass-through dicts (`*_kwargs`) included, is an error."""
+        where = _non_finite(tree, ())
+        if where is not None:
+            path, value = where
+            raise ValueError(f"{'.'.join(path)} is {value}: every number in the config must be finite")
+        return tree
+
+    @model_validator(mode="after")
+    def _dtype_runs_on_the_device(self) -> RunConfigBase:
+        if self.model.dtype == "float16" and self.cluster.device == "cpu":
+            raise ValueError("model.dtype float16 with cluster.device cpu: half precision on CPU turns the "
+                             "weights NaN; use float32 or bfloat16")
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / self.name
+
+
+def _control_characters(text: str) -> str:
+    """The control characters of `text` (NUL, newline, tab, escape, ...) as escapes, e.g. `'\\x00'`;
+    empty when it has none."""
+    found = dict.fromkeys(c for c in text if unicodedata.category(c) == "Cc")
+    return ", ".join(repr(c) for c in found)
+
+
+def _name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run name (a single directory below output.dir), or None."""
+    control = _control_characters(name)
+    if control:
+        return f"must not contain control characters ({control})"
+    if not name.strip():
+        return "must not be empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"has {len(name)} characters, more than {MAX_NAME_LENGTH}"
+    if "/" in name or "\\" in name:
+        return "must not contain '/' or '\\': it names one directory under output.dir (set that for the parent)"
+    if name in (".", ".."):
+        return f"must not be {name!r}"
+    return None
+
+
+def _non_finite(node: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float] | None:
+    """(path, value) of the first NaN or infinite float in a raw config tree, or None."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return path, node
+    if isinstance(node, dict):
+        items = ((str(key), value) for key, value in node.items())
+    elif isinstance(node, (list, tuple)):
+        items = ((str(index), value) for index, value in enumerate(node))
+    else:
+        return None
+    for key, value in items:
+        found = _non_finite(value, (*path, key))
+        if found is not None:
+            return found
+    return None

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollflow.data.arithmetic import ARITHMETIC_TASKS, arithmetic_splits
+from rollflow.data.seeds import derive_seed
 from rollflow.errors import DataError
 
 Row = dict[str, Any]
@@ -26,7 +28,8 @@ def load_rows(task: str | None = None, path: str | None = None, split: str = "tr
     `answer_key` is not "answer", its column is also exposed as `answer` (what rewards read).
 
     Raises:
-        DataError: unknown task, missing / unreadable file, bad JSON line, missing prompt column, no rows.
+        DataError: unknown task, missing / unreadable / non-UTF-8 file, bad JSON line, missing prompt
+            column, no rows.
     """
     if task is not None:
         if task not in ARITHMETIC_TASKS:
@@ -60,9 +63,17 @@ def load_dataset(dataset, prompt_key: str = "prompt", answer_key: str = "answer"
 
 def _read_jsonl(path: Path) -> list[Row]:
     if not path.is_file():
-        raise DataError(f"dataset file not found: {path}")
+        raise DataError(f"dataset file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise DataError(f"cannot read dataset file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        line = err.object.count(b"\n", 0, err.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x}); a dataset is a "
+                        "JSONL file, one JSON object per line") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -118,9 +129,13 @@ class PromptEncoder:
 
 
 class PromptSampler:
-    """Endless batches of rows, reshuffled every epoch; its `state` resumes the exact data position."""
+    """Endless batches of rows, reshuffled every epoch; its `state` resumes the exact data position.
 
-    def __init__(self, rows: list[Row], batch_size: int, seed: int = 0, shuffle: bool = True):
+    The rows may be anything (dataset rows, or `EncodedPrompt`s encoded up front); the order depends only on
+    their number, the seed and the epoch.
+    """
+
+    def __init__(self, rows: Sequence[Any], batch_size: int, seed: int = 0, shuffle: bool = True):
         self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order()
@@ -128,10 +143,10 @@ class PromptSampler:
     def _epoch_order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:
-            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+            random.Random(derive_seed(self.seed, "data_order", self.epoch)).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Row]:
+    def next_batch(self) -> list[Any]:
         batch = []
         while len(batch) < self.batch_size:
             if self.position == len(self._order):

@@ -12,6 +12,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from rollflow.errors import EngineError
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -30,6 +32,31 @@ class SamplingParams:
     n: int = 1  # completions for this prompt (a GRPO group)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     seed: int | None = None  # per-request seed (reproducible sampling); None: engine's generator
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+# Sample seeds stay inside torch's `manual_seed` range (and a signed 64-bit integer) for any request seed.
+SEED_MODULUS = 2**63
+
+
+def sample_seed(seed: int, slot: int) -> int:
+    """The seed of sample `slot` of a request seeded with `seed` (every engine that seeds per sample)."""
+    return (seed * 1_000_003 + slot) % SEED_MODULUS
+
+
+def decoding_failed(engine: str, cause: BaseException) -> EngineError:
+    """The one-line error every request an engine held fails with when its decoding raised `cause`."""
+    lines = str(cause).strip().splitlines()
+    error = EngineError(f"{engine} engine: decoding failed: {lines[0] if lines else type(cause).__name__}")
+    error.__cause__ = cause  # the full story for a traceback; the message stays one line
+    return error
 
 
 @dataclass(frozen=True)
@@ -62,7 +89,11 @@ class InferenceEngine(Protocol):
     """
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions; RuntimeError while asleep or after `close()`."""
+        """Sample `request.params.n` completions; RuntimeError while asleep or after `close()`.
+
+        Raises EngineError when decoding fails (every request the engine held fails with it, none keeps
+        waiting); the engine serves later requests.
+        """
         ...
 
     def abort(self, request_ids: list[str]) -> None:

@@ -5,7 +5,9 @@ Requests queue up; a runner coroutine takes every pending sequence (up to `max_b
 token-by-token decode loop that yields to the event loop between tokens, so `abort` and new `generate`
 calls are served while a wave runs. A request's future resolves as
 soon as all of its sequences finish, while the rest of the wave keeps decoding, so its rewards can be
-computed early. Requests that arrive during a wave join the next one.
+computed early. Requests that arrive during a wave join the next one. When decoding raises (a CUDA
+error, NaN logits from non-finite weights), every request still queued or in the wave fails with one
+`EngineError` and the next `generate` starts afresh.
 
 The engine runs on the caller's event loop (no thread of its own): call every method from that loop's
 thread.
@@ -29,6 +31,8 @@ from rollflow.engines.base import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    decoding_failed,
+    sample_seed,
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer
@@ -78,7 +82,8 @@ class HFEngine:
 
     # ---- protocol ------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed,
+        EngineError when decoding fails (NaN logits, a device error)."""
         self._lifecycle.check_can_generate()
         pending = _Pending(request, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
@@ -142,16 +147,33 @@ class HFEngine:
 
     # ---- decoding ------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        while self._queue:
-            await self._gather_arrivals()
-            wave: list[_Pending] = []
-            sequences = 0
-            while self._queue and (not wave or sequences + self._queue[0].request.params.n
-                                   <= self.max_batch_size):
-                pending = self._queue.popleft()
-                wave.append(pending)
-                sequences += pending.request.params.n
-            await self._decode_wave(wave)
+        """Decode waves until the queue is empty; a failure fails every unresolved request (none waits)."""
+        try:
+            while self._queue:
+                await self._gather_arrivals()
+                wave: list[_Pending] = []
+                sequences = 0
+                while self._queue and (not wave or sequences + self._queue[0].request.params.n
+                                       <= self.max_batch_size):
+                    pending = self._queue.popleft()
+                    wave.append(pending)
+                    sequences += pending.request.params.n
+                await self._decode_wave(wave)
+        except asyncio.CancelledError:
+            if not self._lifecycle.closed:  # close() resolves them itself; anyone else cancelling fails them
+                self._fail_unresolved(RuntimeError("the decode loop was cancelled"))
+            raise
+        except Exception as err:  # the runner is nobody's awaitable: the error goes to each waiting request
+            self._fail_unresolved(err)
+
+    def _fail_unresolved(self, cause: BaseException) -> None:
+        """Fail every queued or in-wave request with `decoding_failed(cause)`; later requests start afresh."""
+        for pending in list(self._unresolved):
+            self._aborted.discard(pending.request.request_id)
+            if not pending.future.done() and not pending.future.get_loop().is_closed():
+                pending.future.set_exception(decoding_failed("hf", cause))
+        self._unresolved.clear()
+        self._queue.clear()
 
     async def _gather_arrivals(self, settle_s: float = 0.002, max_wait_s: float = 0.05) -> None:
         """Let requests that are arriving right now join this wave instead of each starting its own.
@@ -252,7 +274,7 @@ class HFEngine:
     def _row_generator(self, params: SamplingParams, slot: int) -> torch.Generator | None:
         if params.seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + slot)
+        return torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, slot))
 
     @torch.no_grad()
     def _sample(self, logits: torch.Tensor, state: _WaveState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +284,10 @@ class HFEngine:
         """
         scaled = logits / state.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
         log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        # NaN / inf logits would make greedy rows emit garbage and sampled rows crash multinomial (a
+        # device-side assert on CUDA, which poisons the process): refuse them here, in one clear line.
+        if bool(torch.isnan(log_probs).any()):
+            raise FloatingPointError("the model's logits are not finite (non-finite weights?)")
         tokens = log_probs.argmax(-1)  # [B] greedy choice
         if not state.all_greedy:
             if state.needs_filter:

@@ -6,7 +6,8 @@ methods (`abort`, `update_weights`, `sleep`, `wake`) are called from inside a Ra
 loop, where neither library can be used directly. So the library object lives on a thread of its own, and
 every call reaches it through this class:
 
-- `submit(coroutine)` / `run(coroutine)` run a coroutine on the object's loop;
+- `submit(coroutine)` / `run(coroutine)` run a coroutine on the object's loop, and `run_async(coroutine)`
+  awaits one from another event loop;
 - `call_soon(callback, *args)` schedules a plain callback inside the running loop;
 - `call(function)` runs a synchronous function on the thread *between* runs of the loop, so a library
   method that does `loop.run_until_complete(...)` works, and coroutines already on the loop keep running
@@ -74,6 +75,11 @@ class LoopThread:
         self.instance: Any = built[0]  # what `factory` built
         self.loop: asyncio.AbstractEventLoop = built[1]
 
+    @property
+    def crash(self) -> BaseException | None:
+        """Why the thread died; None while it runs or after a clean `close()`."""
+        return self._crash
+
     # ---- callers' side -------------------------------------------------------------------------------
     def submit(self, coroutine: Coroutine) -> Future:
         """Schedule `coroutine` on the thread's loop (from any thread).
@@ -105,6 +111,25 @@ class LoopThread:
         except TimeoutError:
             future.cancel()
             raise
+
+    async def run_async(self, coroutine: Coroutine) -> Any:
+        """Run `coroutine` on the thread's loop and await its result from another event loop.
+
+        Raises:
+            The coroutine's exception; RuntimeError when the thread dies or closes before it finishes (its
+            clean-up cancels what is left on the loop: the caller learns why, not just "cancelled").
+        """
+        future = self.submit(coroutine)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", lambda: 0)()  # Python >= 3.11: our caller cancels us
+            if not (future.cancelled() and self._closed and not cancelling):
+                raise
+            if self._crash is not None:
+                raise RuntimeError(f"{self.name}: the loop thread died") from self._crash
+            raise RuntimeError(f"{self.name}: the loop thread closed before the coroutine finished") from None
 
     def call_soon(self, callback: Callable[..., Any], *args: Any) -> Future:
         """Schedule `callback(*args)` inside the running loop (thread-safe); returns without waiting.

@@ -36,7 +36,6 @@ current when it completes (set on the loop's thread together with the load).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from typing import Any
@@ -49,6 +48,8 @@ from rollflow.engines.base import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    decoding_failed,
+    sample_seed,
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.loop_thread import LoopThread
@@ -63,7 +64,7 @@ def sglang_sampling_params(params: SamplingParams) -> list[dict[str, Any]]:
     """One SGLang sampling-params dict per sample of `params.n` (each sample is its own request).
 
     Every knob is given explicitly because SGLang otherwise takes defaults from the model's
-    generation_config.json. A seeded request gives sample `slot` the seed `seed * 1_000_003 + slot`, as
+    generation_config.json. A seeded request gives sample `slot` the seed `sample_seed(seed, slot)`, as
     the hf engine does (SGLang honours `sampling_seed` with `enable_deterministic_inference=True`).
     """
     base = {
@@ -79,7 +80,7 @@ def sglang_sampling_params(params: SamplingParams) -> list[dict[str, Any]]:
     }
     if params.seed is None:
         return [dict(base) for _ in range(params.n)]
-    return [{**base, "sampling_seed": params.seed * 1_000_003 + slot} for slot in range(params.n)]
+    return [{**base, "sampling_seed": sample_seed(params.seed, slot)} for slot in range(params.n)]
 
 
 def original_logprob_enabled(environ: dict[str, str]) -> bool:
@@ -153,10 +154,15 @@ class SGLangEngine:
         return self._lifecycle.version
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed,
+        EngineError when SGLang or its loop thread fails."""
         self._lifecycle.check_can_generate()
         self._submitted.add(request.request_id)
-        return await asyncio.wrap_future(self._loop_thread.submit(self._generate(request)))
+        try:
+            return await self._loop_thread.run_async(self._generate(request))
+        except Exception as err:  # SGLang's own error, a dead loop thread, ...
+            self._submitted.discard(request.request_id)
+            raise decoding_failed("sglang", err) from err
 
     async def _generate(self, request: GenerationRequest) -> Completion:
         started, n = time.perf_counter(), request.params.n

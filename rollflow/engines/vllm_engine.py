@@ -27,7 +27,8 @@ Threading. vLLM's `AsyncLLM` binds to the event loop it is created on, and the e
 synchronous methods (`abort`, `update_weights`, `sleep`, `wake`) that a Ray async actor calls from inside
 its own running loop. So the `AsyncLLM` is created inside a coroutine on a private event loop that a
 `LoopThread` (`loop_thread.py`) makes and runs; `generate` awaits futures from it and the synchronous
-methods block on it.
+methods block on it. A failure of vLLM (its engine core died, the loop thread died) fails the requests it
+held with one `EngineError` line.
 
 Policy versions: each token is tagged with the engine's version when its output reached this process.
 Weight updates go through vLLM's RPC between scheduler steps, so a token sampled in the step just
@@ -49,6 +50,7 @@ from rollflow.engines.base import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    decoding_failed,
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.loop_thread import LoopThread
@@ -180,13 +182,18 @@ class VLLMEngine:
         return self._lifecycle.version
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed."""
+        """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed,
+        EngineError when vLLM or its loop thread fails."""
         self._lifecycle.check_can_generate()
         problem = logprob_mismatch(request.params, self.logprobs_mode)
         if problem:
             raise ValueError(f"request {request.request_id}: {problem}")
         self._submitted.add(request.request_id)
-        return await asyncio.wrap_future(self._loop_thread.submit(self._generate(request)))
+        try:
+            return await self._loop_thread.run_async(self._generate(request))
+        except Exception as err:  # vLLM's EngineDeadError, a dead loop thread, ...
+            self._submitted.discard(request.request_id)
+            raise decoding_failed("vllm", err) from err
 
     async def _generate(self, request: GenerationRequest) -> Completion:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -208,7 +215,8 @@ class VLLMEngine:
             async for request_output in stream:
                 apply_request_output(outputs, request_output, self.version)
         except asyncio.CancelledError:  # abort(): keep what was generated; unfinished samples say "abort"
-            pass
+            if self._loop_thread.crash is not None:  # not an abort: the dying thread's clean-up
+                raise
         finally:
             self._tasks.pop(request.request_id, None)
         metadata = {"seconds": time.perf_counter() - started, "version": self.version}

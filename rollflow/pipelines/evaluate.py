@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from rollflow.cluster.runtime import pin_threads
 from rollflow.config import RLVRConfig
-from rollflow.data.prompts import PromptEncoder, load_dataset
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.models import load_tokenizer
+from rollflow.pipelines.phases import rollout_scheduler
+from rollflow.pipelines.preflight import check_inputs
 from rollflow.rollout.metrics import rollout_metrics
-from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.trackers.samples import write_samples
-from rollflow.workers.reward import build_reward_fn, model_rewards
+from rollflow.workers.reward import model_rewards
 from rollflow.workers.roles import running_roles
 
 
@@ -25,16 +24,12 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     data = config.data
     if data.eval is None:
         raise ConfigError("no eval dataset: set data.eval (or pass --data FILE.jsonl)")
-    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
-    prompts = [encoder.encode(row) for row in load_dataset(data.eval, data.prompt_key, data.answer_key)]
     rewards = model_rewards(config.reward)
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
+    inputs = check_inputs(config, roles, train=False)
+    tokenizer, prompts = inputs.tokenizer, inputs.eval_prompts
     with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
-        reward_fn = build_reward_fn(config.reward, groups.get("reward"))
-        scheduler = RolloutScheduler(groups["actor_infer"].handles, reward_fn,
-                                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                     config.roles.actor_infer.max_in_flight_requests)
+        scheduler = rollout_scheduler(config, groups, tokenizer)
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
         samples = scheduler.generate(prompts, greedy).samples
     config.run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
+from rollflow.config import RLVRConfig
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.engines.base import SamplingParams
+from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.workers.reward import build_reward_fn
+
+
+def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> RolloutScheduler:
+    """The run's scheduler over its engine workers, scoring with its rewards (model rewards on the `reward`
+    group, plain ones on a reward pool), deterministic per `rollout.deterministic`."""
+    reward_fn = build_reward_fn(config.reward, groups.get("reward"))
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    return RolloutScheduler(groups["actor_infer"].handles, reward_fn, decode,
+                            config.roles.actor_infer.max_in_flight_requests, seed=config.seed,
+                            deterministic=config.rollout.deterministic, watchdog_s=config.cluster.watchdog_s)
 
 
 def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_bytes: int, checksum: str,
@@ -34,17 +48,19 @@ def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_byt
     trainer, engines = groups["actor_train"], groups["actor_infer"]
     manifest = trainer.call("weights_for_sync", bucket_bytes, checksum, corrupt)
     sending = trainer.handles[0].send_weights.remote()  # broadcast transport only
-    loaded = ray.get(engines.call_async("update_weights", manifest))
-    ray.get(sending)
+    loaded = engines.get(engines.call_async("update_weights", manifest), "update_weights")
+    trainer.get([sending], "send_weights")
     return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
             "sync/buckets": manifest.num_buckets, "sync/version": manifest.version,
             "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
 
 
 def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts: list[EncodedPrompt],
-             greedy: SamplingParams) -> dict[str, float]:
+             greedy: SamplingParams, step: int = 0) -> dict[str, float]:
     """Greedy completions of the eval prompts, scored with the run's rewards: `eval/` metrics."""
     if not prompts:
         return {}
     colocation.enter("rollout")
-    return rollout_metrics(scheduler.generate(prompts, greedy).samples, prefix="eval")
+    samples = scheduler.generate(prompts, greedy, seed_key=("eval", step)).samples
+    check_some_succeeded(samples, f"eval at step {step}")
+    return rollout_metrics(samples, prefix="eval")

@@ -6,6 +6,7 @@ The driver (single controller) owns the loop; each role runs in its own Ray acto
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -13,26 +14,27 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.cluster.runtime import pin_threads
 from rollflow.config import RLVRConfig
-from rollflow.data.prompts import PromptEncoder, PromptSampler, load_dataset
+from rollflow.data.prompts import PromptSampler
 from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
-from rollflow.models import load_tokenizer
-from rollflow.pipelines.phases import evaluate, sync_weights
+from rollflow.pipelines.interrupts import StopSignals
+from rollflow.pipelines.phases import evaluate, rollout_scheduler, sync_weights
+from rollflow.pipelines.preflight import check_inputs
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
     write_driver_state,
     write_placement,
 )
-from rollflow.rollout.filters import filter_by_difficulty, usable
+from rollflow.rollout.filters import check_some_succeeded, filter_by_difficulty, usable
 from rollflow.rollout.metrics import rollout_metrics
-from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.trackers import MetricsTracker
+from rollflow.trackers.durable_files import disk_full_as_error
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.advantages import AdvantageStage
 from rollflow.workers.parity import check_logprob_parity, parity_probe
-from rollflow.workers.reward import build_reward_fn, model_rewards
+from rollflow.workers.reward import model_rewards
 from rollflow.workers.roles import forward_rows, running_roles
 
 # The roles each phase of a step runs (what `ColocationManager` onloads; colocated idle roles are offloaded).
@@ -44,6 +46,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "critic_train": ("critic",),
     "actor_train": ("actor_train",),
     "weight_sync": ("actor_train", "actor_infer"),  # the trainer exports, the engines load
+    "checkpoint": ("actor_train", "critic"),  # saving on interrupt, whatever phase the signal cut short
 }
 
 
@@ -68,65 +71,81 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
             Ray session and leaves it up (tests run many short runs in one session).
     """
     pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
-    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    data, rollout, output = config.data, config.rollout, config.output
-    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
-    train_rows = load_dataset(data.train, data.prompt_key, data.answer_key)
-    eval_rows = load_dataset(data.eval, data.prompt_key, data.answer_key) if data.eval else []
-    eval_prompts = [encoder.encode(row) for row in eval_rows]
-    sampler = PromptSampler(train_rows, rollout.prompts_per_step, config.seed, data.shuffle)
+    rollout, output = config.rollout, config.output
+    inputs = check_inputs(config, rlvr_roles(config))  # every prompt encoded and checked before any worker
+    for warning in inputs.warnings:
+        print(f"rollflow: warning: {warning}", file=sys.stderr)
+    tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
+    sampler = PromptSampler(inputs.train_prompts, rollout.prompts_per_step, config.seed, config.data.shuffle)
     role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
-    resume_from = prepare_run_dir(config)
+    prepared = prepare_run_dir(config)  # before Ray starts: a resume with nothing to resume fails at once
 
-    with running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups:
-        tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps)
+    with StopSignals() as stop, running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups:
+        tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps, prepared.resumed_at)
+        if prepared.note:
+            tracker.print(prepared.note)
         tracker.print(groups.plan.describe())
         write_placement(config.run_dir / "placement.json", groups)
         colocation = ColocationManager(groups.plan, dict(groups), PHASES)
         advantages = AdvantageStage(config.algorithm, rollout.max_new_tokens)
-        reward_fn = build_reward_fn(config.reward, groups.get("reward"))
-        scheduler = RolloutScheduler(groups["actor_infer"].handles, reward_fn, _decoder(tokenizer),
-                                     config.roles.actor_infer.max_in_flight_requests)
+        scheduler = rollout_scheduler(config, groups, tokenizer)
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                                   n=rollout.samples_per_prompt)
         greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
         sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
         first_step, initial_eval, syncs = 0, {}, 0
-        if resume_from:
-            first_step, initial_eval = load_checkpoint(resume_from, groups, sampler, advantages)
+        if prepared.resume_from:
+            first_step, initial_eval = load_checkpoint(prepared.resume_from, groups, sampler, advantages)
             sync_weights(groups, colocation, *sync_args)
-            tracker.print(f"resumed from {resume_from} at step {first_step}")
-        if not initial_eval:
+            tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
+        else:
             initial_eval = evaluate(scheduler, colocation, eval_prompts, greedy)
             tracker.log(first_step, initial_eval)
             tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
 
         metrics: dict[str, float] = {}
-        for step in range(first_step + 1, config.train.steps + 1):
-            started = time.perf_counter()
-            colocation.enter("rollout")
-            result = scheduler.generate([encoder.encode(row) for row in sampler.next_batch()], sampling)
-            metrics = {**result.metrics, **rollout_metrics(result.samples)}
-            if step == first_step + 1 and config.checks.logprob_parity_samples:
-                metrics.update(logprob_parity(result.samples, groups, colocation, config, tokenizer.pad_token_id))
-            metrics.update(filter_by_difficulty(result.samples, config.algorithm.difficulty_mask))
-            batch_samples = usable(result.samples)
-            metrics["train/usable_samples"] = float(len(batch_samples))
-            if batch_samples:  # a step whose samples all failed or were filtered trains nothing and goes on
-                batch = collate(batch_samples, tokenizer.pad_token_id)
-                metrics.update(train_on(batch, step, groups, colocation, advantages, config))
-                syncs += 1
-                corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
-                metrics.update(sync_weights(groups, colocation, *sync_args, corrupt))
-            metrics.update(colocation.pop_metrics())
-            if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
-                metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy))
-            metrics["time/step"] = time.perf_counter() - started
-            tracker.log(step, metrics)
-            write_samples(config.run_dir / "samples.jsonl", step, result.samples, output.samples_logged_per_step)
-            if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
-                save_checkpoint(config.run_dir / "checkpoints" / f"step_{step}", groups, step, sampler,
-                                advantages, initial_eval)
+        finished = driver_state(first_step, sampler, advantages, initial_eval)  # the last step done in full
+        saved_step = first_step
+        try:
+            for step in range(first_step + 1, config.train.steps + 1):
+                started = time.perf_counter()
+                colocation.enter("rollout")
+                result = scheduler.generate(sampler.next_batch(), sampling, seed_key=("train", step))
+                check_some_succeeded(result.samples, f"step {step}")
+                metrics = {**result.metrics, **rollout_metrics(result.samples)}
+                if step == first_step + 1 and config.checks.logprob_parity_samples:
+                    metrics.update(logprob_parity(result.samples, groups, colocation, config,
+                                                  tokenizer.pad_token_id))
+                metrics.update(filter_by_difficulty(result.samples, config.algorithm.difficulty_mask))
+                batch_samples = usable(result.samples)
+                metrics["train/usable_samples"] = float(len(batch_samples))
+                with stop.critical():  # a stop signal waits until this step is trained, synced and logged
+                    if batch_samples:  # a step whose samples were all filtered trains nothing
+                        batch = collate(batch_samples, tokenizer.pad_token_id)
+                        metrics.update(train_on(batch, step, groups, colocation, advantages, config))
+                        syncs += 1
+                        corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
+                        metrics.update(sync_weights(groups, colocation, *sync_args, corrupt))
+                    metrics.update(colocation.pop_metrics())
+                    if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
+                        metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy, step))
+                    metrics["time/step"] = time.perf_counter() - started
+                    tracker.log(step, metrics)
+                    write_samples(config.run_dir / "samples.jsonl", step, result.samples,
+                                  output.samples_logged_per_step)
+                    finished = driver_state(step, sampler, advantages, initial_eval)
+                    if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
+                        save_checkpoint(config.run_dir, groups, finished)
+                        saved_step = step
+        except KeyboardInterrupt:  # a stop signal: `Interrupted`, or what ray.get makes of it
+            if output.save_on_interrupt and finished["step"] > saved_step:
+                tracker.print(f"interrupted: saving step {finished['step']} (interrupt again to skip it)")
+                colocation.enter("checkpoint")  # an interrupted rollout may have left the trainer offloaded
+                save_checkpoint(config.run_dir, groups, finished)
+            tracker.print(f"interrupted after step {finished['step']}: resume=true continues from the newest "
+                          "checkpoint")
+            tracker.close()
+            raise
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
         if "eval/accuracy" in final and "initial_eval/accuracy" in final:
@@ -178,16 +197,24 @@ def logprob_parity(samples: list[Sample], groups: WorkerGroups, colocation: Colo
         batch, trainer_logprobs, config.checks.logprob_parity_tolerance)}
 
 
-def save_checkpoint(path: Path, groups: WorkerGroups, step: int, sampler: PromptSampler,
-                    advantages: AdvantageStage, initial_eval: dict) -> None:
-    """Model (HF format) + optimizer/RNG from the trainer (and critic); step, data position, reward and KL
-    statistics from the driver."""
-    path.mkdir(parents=True, exist_ok=True)
-    groups["actor_train"].call("save", str(path / "model"))
-    if "critic" in groups:
-        groups["critic"].call("save", str(path / "critic"))
-    write_driver_state(path, {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
-                              "initial_eval": initial_eval})
+def driver_state(step: int, sampler: PromptSampler, advantages: AdvantageStage, initial_eval: dict) -> dict:
+    """The driver's part of a checkpoint after `step`: the step, data position, reward and KL statistics.
+    Taken when the step ends: the next step's rollout already moves the sampler."""
+    return {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
+            "initial_eval": initial_eval}
+
+
+def save_checkpoint(run_dir: Path, groups: WorkerGroups, state: dict) -> Path:
+    """`checkpoints/step_N`: model (HF format) + optimizer/RNG from the trainer (and critic), then the
+    driver's `state` (written last: it marks the checkpoint complete). Raises DiskFullError on a full disk."""
+    path = run_dir / "checkpoints" / f"step_{state['step']}"
+    with disk_full_as_error(path):
+        path.mkdir(parents=True, exist_ok=True)
+        groups["actor_train"].call("save", str(path / "model"))
+        if "critic" in groups:
+            groups["critic"].call("save", str(path / "critic"))
+    write_driver_state(path, state)
+    return path
 
 
 def load_checkpoint(path: Path, groups: WorkerGroups, sampler: PromptSampler,
@@ -201,9 +228,3 @@ def load_checkpoint(path: Path, groups: WorkerGroups, sampler: PromptSampler,
     advantages.load_state(state.get("advantage_stage"))
     return state["step"], state.get("initial_eval", {})
 
-
-def _decoder(tokenizer):
-    def decode(token_ids: list[int]) -> str:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    return decode

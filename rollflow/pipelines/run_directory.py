@@ -2,46 +2,91 @@
 
 Every pipeline writes the same layout: `config.yaml`, `metrics.jsonl`, `samples.jsonl`, `placement.json`,
 `tensorboard/`, `curves.png` and `checkpoints/step_N/` (the workers' state + `driver_state.json`).
+
+A directory holds one run: a fresh run never writes into an earlier run's directory (it is moved aside), and a
+resumed run continues exactly from its newest complete checkpoint, with the logs cut back to it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RunConfigBase, dump_config
+from rollflow.errors import ConfigError
+from rollflow.trackers.durable_files import disk_full_as_error, truncate_records, write_atomically
 
 DRIVER_STATE = "driver_state.json"
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # JSONL with a `step` per record, cut back on resume
 
 
-def prepare_run_dir(config: RunConfigBase) -> Path | None:
-    """Create the run directory and write the resolved config. A fresh run (no `resume`, or nothing to
-    resume) starts new metric and sample logs.
+class PreparedRunDir(NamedTuple):
+    """What `prepare_run_dir` found and did.
 
-    Returns:
-        The checkpoint to resume from: the newest complete `checkpoints/step_N`, or None.
+    Attributes:
+        resume_from: the checkpoint to resume from (`checkpoints/step_N`), or None for a fresh run.
+        resumed_at: its step (N), or None.
+        note: one line for the console when an earlier run's directory was moved aside, else None.
+    """
+
+    resume_from: Path | None
+    resumed_at: int | None
+    note: str | None
+
+
+def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
+    """Make `config.run_dir` ready for this run and write the resolved `config.yaml` into it.
+
+    A fresh run (`resume: false`) over an existing, non-empty directory moves that directory aside to the first
+    free `<name>.1`, `<name>.2`, ... so two runs never mix. A resumed run continues from the newest complete
+    checkpoint; `metrics.jsonl` and `samples.jsonl` lose the records of later steps (they run again) and any
+    torn last line, so no step appears twice.
+
+    Raises:
+        ConfigError: `resume: true` without a complete checkpoint, or with one at or past `train.steps`.
+        DiskFullError: the disk filled up writing the directory.
     """
     run_dir = config.run_dir
-    resume_from = latest_checkpoint(run_dir / "checkpoints") if config.resume else None
-    if not resume_from and run_dir.exists():
-        for stale in ("metrics.jsonl", "samples.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
-    return resume_from
+    resume_from, resumed_at, note = None, None, None
+    if config.resume:
+        resume_from = latest_checkpoint(run_dir / "checkpoints")
+        if resume_from is None:
+            raise ConfigError(f"resume=true but {run_dir} has no complete checkpoint (checkpoints/step_N with "
+                              f"{DRIVER_STATE}); set resume=false to start a new run")
+        resumed_at = int(read_driver_state(resume_from)["step"])
+        if resumed_at >= config.train.steps:
+            raise ConfigError(f"resume=true but {run_dir} already reached step {resumed_at} "
+                              f"(train.steps={config.train.steps}); raise train.steps to train further")
+        for log in STEP_LOGS:
+            truncate_records(run_dir / log, resumed_at)
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        aside = _first_free_sibling(run_dir)
+        run_dir.rename(aside)
+        note = f"{run_dir} held an earlier run: moved it to {aside} (resume=true continues a run instead)"
+    with disk_full_as_error(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(run_dir / "config.yaml", dump_config(config))
+    return PreparedRunDir(resume_from, resumed_at, note)
 
 
 def latest_checkpoint(checkpoints: Path) -> Path | None:
     """The newest `step_N` under `checkpoints` whose driver state was written (so every part of it was)."""
-    done = [p for p in checkpoints.glob("step_*") if (p / DRIVER_STATE).is_file()]
-    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+    done = [(step, path) for path in checkpoints.glob("step_*")
+            if (step := _checkpoint_step(path)) is not None]
+    return max(done, key=lambda item: item[0], default=(None, None))[1]
 
 
 def write_driver_state(checkpoint: Path, state: dict[str, Any]) -> None:
-    """The driver's part of a checkpoint, written last: its presence marks the checkpoint complete."""
-    (checkpoint / DRIVER_STATE).write_text(json.dumps(state))
+    """The driver's part of a checkpoint, written last and atomically: its presence marks the checkpoint
+    complete.
+
+    Raises:
+        DiskFullError: the disk filled up.
+    """
+    write_atomically(checkpoint / DRIVER_STATE, json.dumps(state))
 
 
 def read_driver_state(checkpoint: Path) -> dict[str, Any]:
@@ -49,8 +94,30 @@ def read_driver_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def write_placement(path: Path, groups: WorkerGroups) -> None:
-    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices."""
+    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices.
+
+    Raises:
+        DiskFullError: the disk filled up.
+    """
     placement = {role: [{"worker": p.index, "node": node, "devices": list(p.devices)}
                         for p, node in zip(group.placements, group.nodes())]
                  for role, group in groups.items()}
-    path.write_text(json.dumps(placement, indent=1))
+    write_atomically(path, json.dumps(placement, indent=1))
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """N of a complete `step_N` checkpoint; None for an unfinished one (no readable driver state)."""
+    try:
+        step = int(path.name.removeprefix("step_"))
+        json.loads((path / DRIVER_STATE).read_text())
+    except (ValueError, OSError):  # not a step directory, driver state missing or torn
+        return None
+    return step
+
+
+def _first_free_sibling(run_dir: Path) -> Path:
+    """`<name>.1`, `<name>.2`, ...: the first that does not exist yet."""
+    index = 1
+    while os.path.lexists(run_dir.with_name(f"{run_dir.name}.{index}")):
+        index += 1
+    return run_dir.with_name(f"{run_dir.name}.{index}")

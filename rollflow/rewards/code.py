@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollflow.rewards.registry import REWARD_FUNCTIONS, require_column
+from rollflow.rewards.registry import REWARD_FUNCTIONS, needs_columns, require_column
 from rollflow.rewards.sandbox import Sandbox, SandboxLimits, default_sandbox
 
 _FENCED_BLOCK = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -246,6 +246,7 @@ def run_call_cases(
 
 
 @REWARD_FUNCTIONS.register("code_tests")
+@needs_columns("tests")
 def code_tests(
     completion: str,
     *,

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from rollflow.rewards.pool import RewardPool
 from rollflow.rewards.registry import RewardLoadError, Row, ScoreError
 
 Outcome = tuple[float, dict[str, float]] | Exception  # one sample's (total, parts), or why it failed
@@ -53,8 +55,8 @@ def _as_float(value: object, where: str) -> float:
     if not isinstance(value, (int, float)):  # bool is an int: True counts as 1.0
         raise TypeError(f"{where} returned {type(value).__name__}, expected a float or a dict of floats")
     result = float(value)
-    if math.isnan(result):
-        raise ValueError(f"{where} returned NaN")
+    if not math.isfinite(result):
+        raise ValueError(f"{where} returned {result}, expected a finite number")
     return result
 
 
@@ -82,8 +84,13 @@ class PendingGroup:
 
     futures: list[Any]
     _combined: CombinedReward
-    _plain: list[list[Any]]  # [sample][plain reward] value, or the exception it raised
+    _plain: list[list[Any]]  # [sample][plain reward] value, the exception it raised, or a pool Future
     _size: int
+
+    @property
+    def plain_pending(self) -> bool:
+        """Plain rewards still running on the reward pool (`CombinedReward(pool=...)`)."""
+        return any(isinstance(v, Future) and not v.done() for values in self._plain for v in values)
 
     def finish(self, group_results: list[Any]) -> list[Outcome]:
         """Combine everything into one outcome per sample.
@@ -102,7 +109,7 @@ class PendingGroup:
                 raise ValueError(f"a group reward returned {len(values)} values for {self._size} samples")
         outcomes: list[Outcome] = []
         for i in range(self._size):
-            plain, grouped = iter(self._plain[i]), iter(group_results)
+            plain, grouped = iter([_settled(v) for v in self._plain[i]]), iter(group_results)
             values = []
             for kind in self._combined.kinds:
                 if kind == "plain":
@@ -131,8 +138,9 @@ class CombinedReward:
     raises), or use `submit_group` / `score_group` for a group.
     """
 
-    def __init__(self, triples: list[tuple[str, Any, float]]):
+    def __init__(self, triples: list[tuple[str, Any, float]], pool: RewardPool | None = None):
         self.triples = triples
+        self.pool = pool
         self.kinds = ["group" if isinstance(fn, GroupReward) else "plain" for _, fn, _ in triples]
         self.group_rewards = [fn for (_, fn, _), kind in zip(triples, self.kinds) if kind == "group"]
 
@@ -168,7 +176,12 @@ class CombinedReward:
             raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
         futures = [reward.submit(list(completions), list(rows)) for reward in self.group_rewards]
         plain_fns = [(name, fn) for (name, fn, _), kind in zip(self.triples, self.kinds) if kind == "plain"]
-        plain = [[_call(fn, completion, row) for _, fn in plain_fns] for completion, row in zip(completions, rows)]
+        if self.pool is None:
+            plain = [[_call(fn, completion, row) for _, fn in plain_fns]
+                     for completion, row in zip(completions, rows)]
+        else:
+            plain = [[self.pool.submit(name, fn, (completion,), row) for name, fn in plain_fns]
+                     for completion, row in zip(completions, rows)]
         return PendingGroup(futures, self, plain, len(completions))
 
     def score_group(self, completions: list[str], rows: list[Row]) -> list[Outcome]:
@@ -195,9 +208,21 @@ class CombinedReward:
                 start(wait=wait)
 
     def close(self) -> None:
-        """Release the group rewards' workers. Plain functions hold nothing."""
+        """Release the group rewards' workers and the pool's threads."""
         for reward in self.group_rewards:
             reward.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _settled(value: Any) -> Any:
+    """A plain reward's value: a pool future's result (or the exception it raised), else the value."""
+    if not isinstance(value, Future):
+        return value
+    try:
+        return value.result()
+    except Exception as error:  # a reward that raised or timed out fails its sample
+        return error
 
 
 def _call(fn, completion: str, row: Row) -> Any:
@@ -207,12 +232,14 @@ def _call(fn, completion: str, row: Row) -> Any:
         return error
 
 
-def combine_rewards(rewards: Sequence[tuple[str, Any, float]]) -> CombinedReward:
+def combine_rewards(rewards: Sequence[tuple[str, Any, float]], pool: RewardPool | None = None) -> CombinedReward:
     """Build one function that computes every reward and their weighted total.
 
     Args:
         rewards: `(name, fn, weight)` triples; `fn` is a plain reward function or a `GroupReward`. Names
             must be unique and must not contain "/".
+        pool: run plain functions on this `RewardPool` (time limit per call, off the caller's thread);
+            None: call them inline.
 
     Returns:
         A `CombinedReward`: `combined(completion, **row) -> (total, parts)`, where `total` is the weighted
@@ -236,4 +263,4 @@ def combine_rewards(rewards: Sequence[tuple[str, Any, float]]) -> CombinedReward
             raise TypeError(f"reward {name!r} is not callable{hint}")
         if not math.isfinite(float(weight)):
             raise RewardLoadError(f"reward {name!r} has a non-finite weight {weight!r}")
-    return CombinedReward([(name, fn, float(weight)) for name, fn, weight in rewards])
+    return CombinedReward([(name, fn, float(weight)) for name, fn, weight in rewards], pool)

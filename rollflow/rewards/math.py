@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 
 from rollflow.rewards.math_verifier import default_verifier
-from rollflow.rewards.registry import REWARD_FUNCTIONS, require_column
+from rollflow.rewards.registry import REWARD_FUNCTIONS, needs_columns, require_column
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 _SLASH_FRACTION = re.compile(r"([+-]?\d+)\s*/\s*(\d+)")
@@ -96,6 +96,7 @@ def fast_math_verdict(completion: str, answer: str) -> float | None:
 
 
 @REWARD_FUNCTIONS.register("math_answer")
+@needs_columns("answer")
 def math_answer(completion: str, *, timeout_s: float = 5.0, **row) -> float:
     """1.0 when the completion's final answer equals the reference answer mathematically, else 0.0.
 
@@ -123,6 +124,7 @@ def math_answer(completion: str, *, timeout_s: float = 5.0, **row) -> float:
 
 
 @REWARD_FUNCTIONS.register("exact_match")
+@needs_columns("answer")
 def exact_match(completion: str, **row) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals the stripped answer.
 

@@ -111,6 +111,42 @@ def require_column(row: Mapping[str, Any], column: str, reward: str) -> Any:
     return value
 
 
+def needs_columns(*columns: str) -> Callable[[RewardFn], RewardFn]:
+    """Declare the dataset columns a reward function reads (with `require_column`).
+
+    The driver checks every row of the run's datasets for them before any worker starts
+    (`rollflow.pipelines.preflight`), so a dataset without them is one error naming the row, not a failed
+    sample per step. Put it under `@REWARD_FUNCTIONS.register(...)` (or on a user reward):
+
+        @REWARD_FUNCTIONS.register("math_answer")
+        @needs_columns("answer")
+        def math_answer(completion, **row): ...
+
+    Args:
+        *columns: the column names.
+
+    Returns:
+        A decorator that records them on the function (`required_columns` reads them back).
+    """
+
+    def declare(fn: RewardFn) -> RewardFn:
+        fn.required_columns = tuple(columns)  # type: ignore[attr-defined]
+        return fn
+
+    return declare
+
+
+def required_columns(reward: Any) -> tuple[str, ...]:
+    """The columns a resolved reward declared with `needs_columns`; () when it declared none.
+
+    Args:
+        reward: what `resolve_reward` returned (a function, a `functools.partial` of one, or a `ModelReward`).
+    """
+    while isinstance(reward, functools.partial):
+        reward = reward.func
+    return tuple(getattr(reward, "required_columns", ()))
+
+
 def _import_path(spec: str) -> Callable[..., Any]:
     """Import `pkg.module:attr` or `pkg.module.attr`; raise `RewardLoadError` with a one-line reason."""
     if ":" in spec:

@@ -10,6 +10,7 @@ import torch
 
 from rollflow.algorithms import difficulty_mask
 from rollflow.data.sample import Sample, SampleStatus
+from rollflow.errors import StepFailedError
 
 UNUSABLE = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.FILTERED)
 
@@ -17,6 +18,14 @@ UNUSABLE = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.FILTERED)
 def usable(samples: list[Sample]) -> list[Sample]:
     """Samples that can be trained on: not failed, aborted or filtered, with at least one response token."""
     return [s for s in samples if s.status not in UNUSABLE and s.response_ids]
+
+
+def check_some_succeeded(samples: list[Sample], where: str) -> None:
+    """Raise `StepFailedError` when every sample of a step (`where`: "step 3", "eval at step 0") failed, with the first one's error (a reward
+    that fails on every row would otherwise train on nothing, step after step)."""
+    if samples and all(s.status == SampleStatus.FAILED for s in samples):
+        first = (samples[0].metadata.get("error") or "no error recorded").splitlines()[0]
+        raise StepFailedError(f"{where}: all {len(samples)} samples failed; the first failed with: {first}")
 
 
 def filter_by_difficulty(samples: list[Sample], bounds: tuple[float, float] | None) -> dict[str, float]:

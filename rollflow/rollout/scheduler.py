@@ -14,18 +14,23 @@ import collections
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
+from rollflow.cluster.calls import map_ray_error
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import Sample, SampleStatus
+from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, GenerationRequest, SamplingParams
+from rollflow.errors import StalledError
 from rollflow.rewards.combine import PendingGroup
 
 # (completion text, row) -> (total reward, {name: value})
 RewardFn = Callable[..., tuple[float, dict[str, float]]]
+
+_MISSING = object()  # a model-reward result that has not arrived
 
 _STATUS = {"stop": SampleStatus.FINISHED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
@@ -46,27 +51,45 @@ class RolloutScheduler:
         decode: `list[int] -> str` for completion text.
         max_in_flight: most requests (prompt groups) one worker holds at a time; the rest wait in the
             scheduler and go to whichever worker frees up first (`roles.actor_infer.max_in_flight_requests`).
+        seed: the run's seed; with `deterministic`, each request's sampling seed is derived from it.
+        deterministic: reproducible rollouts (`rollout.deterministic`): request `i` of a `generate` call
+            samples with the seed `derive_seed(seed, *seed_key, i)` (its samples `j` from that seed and
+            `j`), and worker `w` gets the requests `i % len(workers) == w` as one batch, in order, so no
+            batch composition, and so no float, depends on timing. False: least-loaded routing, per group.
+        watchdog_s: a `generate` that sees no group generated or scored for this long raises
+            `StalledError` naming the workers it waits on (`cluster.watchdog_s`).
     """
 
     def __init__(self, workers: list, reward_fn: RewardFn, decode: Callable[[list[int]], str],
-                 max_in_flight: int = 64):
+                 max_in_flight: int = 64, seed: int = 0, deterministic: bool = False,
+                 watchdog_s: float = 900.0):
         self.workers = workers
         self.max_in_flight = max_in_flight
         self.reward_fn = reward_fn
         self.decode = decode
-        # A `CombinedReward` scores whole groups and may wait on reward workers; a plain function is called
-        # per sample on the driver.
+        self.seed = seed
+        self.deterministic = deterministic
+        self.watchdog_s = watchdog_s
+        # A `CombinedReward` scores whole groups and may wait on reward workers or its reward pool; a plain
+        # function is called per sample on the driver.
         self.batched = hasattr(reward_fn, "submit_group")
         self._ids = itertools.count()
         self._groups = itertools.count()
 
-    def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> RolloutResult:
-        """Sample `params.n` completions for every prompt, score them, return all samples."""
+    def generate(self, prompts: list[EncodedPrompt], params: SamplingParams,
+                 seed_key: tuple[int | str, ...] = ()) -> RolloutResult:
+        """Sample `params.n` completions for every prompt, score them, return all samples (in prompt order,
+        each group's samples in sample order).
+
+        Args:
+            seed_key: what distinguishes this call's sampling from every other call's in deterministic mode,
+                e.g. `("train", step)`.
+        """
         started = time.perf_counter()
         load = [0] * len(self.workers)  # samples in flight per worker
         requests = [0] * len(self.workers)  # requests in flight per worker (capped)
-        waiting = collections.deque(prompts)
-        in_flight: dict[ray.ObjectRef, tuple[EncodedPrompt, int, int]] = {}
+        waiting = collections.deque(self._requests(prompts, params, seed_key))
+        in_flight: dict[ray.ObjectRef, tuple[int, list[tuple[EncodedPrompt, int]]]] = {}  # ref -> (worker, groups)
 
         def dispatch() -> None:
             """Send waiting groups to the least-loaded workers that are under their in-flight cap."""
@@ -75,51 +98,74 @@ class RolloutScheduler:
                 if not open_workers:
                     return
                 worker = min(open_workers, key=load.__getitem__)
-                prompt = waiting.popleft()
+                prompt, group_id, request = waiting.popleft()
                 load[worker] += params.n
                 requests[worker] += 1
-                request = GenerationRequest(f"req-{next(self._ids)}", prompt.token_ids, params)
-                ref = self.workers[worker].generate.remote(request)
-                in_flight[ref] = (prompt, worker, next(self._groups))
+                in_flight[self.workers[worker].generate.remote(request)] = (worker, [(prompt, group_id)])
 
+        if self.deterministic:  # fixed shares, one batch per worker, in prompt order
+            for worker in range(len(self.workers)):
+                share = list(waiting)[worker::len(self.workers)]
+                if share:
+                    ref = self.workers[worker].generate_batch.remote([request for _, _, request in share])
+                    in_flight[ref] = (worker, [(prompt, group_id) for prompt, group_id, _ in share])
+            waiting.clear()
         dispatch()
-        scoring: dict[ray.ObjectRef, tuple[_GroupScoring, int]] = {}  # model-reward future -> (group, index)
+        scoring: list[_GroupScoring] = []  # groups whose model rewards or pooled plain rewards are pending
         samples: list[Sample] = []
         reward_seconds = 0.0
         first_done = generation_done = None
+        last_progress = time.monotonic()
         while in_flight or scoring:
-            pending = [*in_flight, *scoring]
-            ray.wait(pending, num_returns=1)  # block until one is done, then take every finished one
-            done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            model_refs = {ref: (group, i) for group in scoring for i, ref in enumerate(group.pending.futures)
+                          if group.results[i] is _MISSING}
+            pending = [*in_flight, *model_refs]
+            polling = any(group.pending.plain_pending for group in scoring)  # thread futures: poll them
+            wait_s = 0.005 if polling else max(0.0, self.watchdog_s - (time.monotonic() - last_progress))
+            done = ray.wait(pending, num_returns=1, timeout=wait_s)[0] if pending else []
+            if not pending:
+                time.sleep(wait_s)
+            elif done:  # take every other finished one too
+                done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
             generated = [ref for ref in done if ref in in_flight]
             first_done = first_done or (time.perf_counter() - started if generated else None)
-            for ref, completion in zip(generated, ray.get(generated)):
-                prompt, worker, group_id = in_flight.pop(ref)
-                load[worker] -= params.n
-                requests[worker] -= 1
+            for ref in generated:
+                worker, groups = in_flight.pop(ref)
+                try:
+                    completions = ray.get(ref)
+                except Exception as err:  # the engine failed or its worker died: the run cannot go on
+                    raise map_ray_error(err, "actor_infer", worker, "generate") from None
+                completions = completions if isinstance(completions, list) else [completions]
+                load[worker] -= params.n * len(groups)
+                requests[worker] -= len(groups)
                 reward_started = time.perf_counter()
-                if self.batched:  # plain rewards now; model rewards go to reward workers and arrive later
-                    group = self._submit(prompt, completion, group_id)
-                    scoring.update({future: (group, i) for i, future in enumerate(group.pending.futures)})
-                    if not group.pending.futures:
-                        samples.extend(self._finish(group))
-                else:
-                    samples.extend(self._score(prompt, completion, group_id))
+                for (prompt, group_id), completion in zip(groups, completions):
+                    if self.batched:  # model rewards go to reward workers, plain ones to the reward pool
+                        scoring.append(self._submit(prompt, completion, group_id))
+                    else:
+                        samples.extend(self._score(prompt, completion, group_id))
                 reward_seconds += time.perf_counter() - reward_started
             dispatch()  # freed capacity takes the next waiting groups
             if not in_flight and generation_done is None:
                 generation_done = time.perf_counter()
-            for ref in (ref for ref in done if ref in scoring):
-                group, index = scoring.pop(ref)
+            for ref in (ref for ref in done if ref in model_refs):
+                group, index = model_refs[ref]
                 try:
                     group.results[index] = ray.get(ref)
                 except Exception as err:  # the reward worker raised or died: that reward fails the group
                     group.results[index] = err
-                group.missing -= 1
-                if group.missing == 0:
-                    reward_started = time.perf_counter()
+            finished = [g for g in scoring if _MISSING not in g.results and not g.pending.plain_pending]
+            if finished:
+                reward_started = time.perf_counter()
+                for group in finished:
+                    scoring.remove(group)
                     samples.extend(self._finish(group))
-                    reward_seconds += time.perf_counter() - reward_started
+                reward_seconds += time.perf_counter() - reward_started
+            if done or finished:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.watchdog_s:
+                raise StalledError(self._stall_message(in_flight, scoring))
+        samples.sort(key=lambda s: (s.group_id, s.metadata.get("slot", 0)))
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.response_ids) for s in samples)
         return RolloutResult(samples, {
@@ -131,10 +177,29 @@ class RolloutScheduler:
             "rollout/tokens_per_second": tokens / max(elapsed, 1e-9),
         })
 
+    def _requests(self, prompts: list[EncodedPrompt], params: SamplingParams,
+                  seed_key: tuple[int | str, ...]) -> list[tuple[EncodedPrompt, int, GenerationRequest]]:
+        """(prompt, group id, request) per prompt, in prompt order; seeded per request when deterministic."""
+        out = []
+        for i, prompt in enumerate(prompts):
+            request_params = replace(params, seed=derive_seed(self.seed, *seed_key, i)) if self.deterministic \
+                else params
+            out.append((prompt, next(self._groups),
+                        GenerationRequest(f"req-{next(self._ids)}", prompt.token_ids, request_params)))
+        return out
+
+    def _stall_message(self, in_flight: dict, scoring: list[_GroupScoring]) -> str:
+        waiting_on = collections.Counter(worker for worker, groups in in_flight.values() for _ in groups)
+        parts = [f"actor_infer worker {w} ({n} groups generating)" for w, n in sorted(waiting_on.items())]
+        if scoring:
+            parts.append(f"rewards of {len(scoring)} groups")
+        return (f"no progress for {self.watchdog_s:g} s in phase rollout: waiting on {', '.join(parts)} "
+                "(cluster.watchdog_s)")
+
     def _samples(self, prompt: EncodedPrompt, completion: Completion, group_id: int) -> list[Sample]:
         """The group's samples, not yet scored."""
         samples = []
-        for output in completion.outputs:
+        for slot, output in enumerate(completion.outputs):
             samples.append(Sample(
                 prompt_ids=prompt.token_ids,
                 response_ids=output.token_ids,
@@ -146,7 +211,7 @@ class RolloutScheduler:
                 response_text=self.decode(output.token_ids),
                 row=prompt.row,
                 domain=str(prompt.row.get("domain", "default")),
-                metadata={"request_id": completion.request_id, **completion.metadata},
+                metadata={"request_id": completion.request_id, "slot": slot, **completion.metadata},
             ))
         return samples
 
@@ -167,7 +232,7 @@ class RolloutScheduler:
         """
         samples = self._samples(prompt, completion, group_id)
         pending = self.reward_fn.submit_group([s.response_text for s in samples], [prompt.row] * len(samples))
-        return _GroupScoring(samples, pending, [None] * len(pending.futures), len(pending.futures))
+        return _GroupScoring(samples, pending, [_MISSING] * len(pending.futures))
 
     @staticmethod
     def _finish(group: _GroupScoring) -> list[Sample]:
@@ -185,8 +250,7 @@ class _GroupScoring:
 
     samples: list[Sample]
     pending: PendingGroup
-    results: list[Any]  # one per model-reward future: its values, or the exception getting them raised
-    missing: int  # futures not arrived yet
+    results: list[Any]  # one per model-reward future: its values, the exception getting them raised, or _MISSING
 
 
 def _fail(sample: Sample, err: Exception) -> None:

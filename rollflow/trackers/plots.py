@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from rollflow.trackers.durable_files import disk_full_as_error, read_records
 
 
 def plot_curves(run_dir: Path, keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path | None:
@@ -19,7 +14,7 @@ def plot_curves(run_dir: Path, keys: tuple[str, ...] = ("reward/mean", "eval/acc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    rows = read_records(Path(run_dir) / "metrics.jsonl")  # a torn last line is left out
     series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
     series = {k: v for k, v in series.items() if v}
     if not series:
@@ -33,6 +28,9 @@ def plot_curves(run_dir: Path, keys: tuple[str, ...] = ("reward/mean", "eval/acc
         axis.grid(alpha=0.3)
     figure.tight_layout()
     out = Path(run_dir) / "curves.png"
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    try:
+        with disk_full_as_error(out):
+            figure.savefig(out, dpi=100)
+    finally:
+        plt.close(figure)
     return out

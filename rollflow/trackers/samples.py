@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rollflow.data.sample import Sample
+from rollflow.trackers.durable_files import append_records
 
 
 def write_samples(path: Path, step: int, samples: list[Sample], count: int) -> None:
-    """Append the first `count` decoded samples of this step to `samples.jsonl`."""
-    with path.open("a") as out:
-        for sample in samples[:count]:
-            out.write(json.dumps({
-                "step": step, "group": sample.group_id, "prompt": sample.prompt_text,
-                "response": sample.response_text, "reward": sample.reward, "rewards": sample.rewards,
-                "status": sample.status.value, "answer": sample.row.get("answer"),
-            }) + "\n")
+    """Append the first `count` decoded samples of this step to `samples.jsonl`, all in one write (a crash
+    leaves all of a step's samples or none).
+
+    Raises:
+        DiskFullError: the disk filled up.
+    """
+    append_records(path, [{
+        "step": step, "group": sample.group_id, "prompt": sample.prompt_text,
+        "response": sample.response_text, "reward": sample.reward, "rewards": sample.rewards,
+        "status": sample.status.value, "answer": sample.row.get("answer"),
+        **({"error": sample.metadata["error"]} if "error" in sample.metadata else {}),  # why it failed
+    } for sample in samples[:count]])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+from rollflow.trackers.durable_files import append_records
 
 # metric key -> short label for the one-line console summary, in display order
 CONSOLE_COLUMNS = {
@@ -28,25 +29,33 @@ class MetricsTracker:
         run_dir: the run directory (`metrics.jsonl`, `tensorboard/` go there).
         trackers: any of "console", "jsonl", "tensorboard".
         total_steps: for the console's "step i/N".
+        resumed_at: the checkpoint step a resumed run continues from: TensorBoard hides the events of later
+            steps the interrupted run had written (they run again). `metrics.jsonl` was already cut back by
+            `prepare_run_dir`.
+
+    Raises:
+        DiskFullError: (from `log`) the disk filled up writing `metrics.jsonl`.
     """
 
-    def __init__(self, run_dir: Path, trackers: list[str], total_steps: int):
+    def __init__(self, run_dir: Path, trackers: list[str], total_steps: int, resumed_at: int | None = None):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.console = Console(highlight=False)
         self.step_lines = "console" in trackers  # one line per step; run messages always print
-        self.jsonl = (self.run_dir / "metrics.jsonl").open("a") if "jsonl" in trackers else None
+        self.jsonl = self.run_dir / "metrics.jsonl" if "jsonl" in trackers else None
+        if self.jsonl:
+            append_records(self.jsonl, [])  # the file exists from the start, as every tracker's output does
         self.tensorboard = None
         if "tensorboard" in trackers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+            purge_step = None if resumed_at is None else resumed_at + 1
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-            self.jsonl.flush()
+            append_records(self.jsonl, [{"step": step, **clean}])  # one write: never half a record
         if self.tensorboard:
             for key, value in clean.items():
                 if math.isfinite(value):
@@ -64,7 +73,5 @@ class MetricsTracker:
         self.console.print(message)
 
     def close(self) -> None:
-        if self.jsonl:
-            self.jsonl.close()
         if self.tensorboard:
             self.tensorboard.close()

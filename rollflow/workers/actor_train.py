@@ -12,7 +12,9 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, publish_weights
 from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, sampling_temperature, trainer_settings
+from rollflow.data.seeds import derive_seed
+from rollflow.errors import NonFiniteError
+from rollflow.workers.base import PlacedWorker, nonfinite_in_role, sampling_temperature, trainer_settings
 from rollflow.workers.objectives import OBJECTIVES, train_mini_batches
 
 
@@ -72,8 +74,11 @@ class ActorTrainWorker(PlacedWorker):
             metrics["check/train_infer_logprob_max_gap"] = float(gap.max())
         # every rank must draw the same mini-batch split: a generator seeded by (seed, version), not the
         # global RNG (which model code may consume differently per rank)
-        shuffle = torch.Generator().manual_seed(self.config.seed * 100_003 + self.version)
-        metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle))
+        shuffle = torch.Generator().manual_seed(derive_seed(self.config.seed, "actor_minibatches", self.version))
+        try:
+            metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle))
+        except NonFiniteError as err:
+            raise nonfinite_in_role(err, "actor_train", "train.lr") from None
         self.version += 1
         metrics["time/train"] = time.perf_counter() - started
         return metrics

@@ -10,6 +10,7 @@ import time
 from rollflow.backends.base import TrainerSettings
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.runtime import free_port, memory_usage, pin_worker
+from rollflow.errors import NonFiniteError
 
 
 class PlacedWorker:
@@ -87,9 +88,22 @@ def trainer_settings(config, **overrides) -> TrainerSettings:
         lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
         max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
         max_response_length=rollout.max_new_tokens if rollout is not None else None,
-        device=torch_device(config),
+        device=torch_device(config), on_nonfinite=train.on_nonfinite,
     )
     return TrainerSettings(**{**settings, **overrides})
+
+
+def nonfinite_in_role(error: NonFiniteError, role: str, lr_key: str) -> NonFiniteError:
+    """A backend's NonFiniteError as the run reports it: which role, and which config key to change.
+
+    Args:
+        error: what the backend raised (`weights_updated` picks the advice).
+        role: the role that trained ("actor_train", "critic").
+        lr_key: the config key of that role's learning rate ("train.lr", "train.critic_lr").
+    """
+    advice = (f" ({lr_key} too high?)" if error.weights_updated
+              else f". Lower {lr_key}, or set train.on_nonfinite: skip_step")
+    return NonFiniteError(f"{role}: {error}{advice}", error.weights_updated)
 
 
 def sampling_temperature(config) -> float:

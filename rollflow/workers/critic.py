@@ -15,7 +15,9 @@ from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, trainer_settings
+from rollflow.data.seeds import derive_seed
+from rollflow.errors import NonFiniteError
+from rollflow.workers.base import PlacedWorker, nonfinite_in_role, trainer_settings
 from rollflow.workers.objectives import train_mini_batches
 
 
@@ -82,8 +84,11 @@ class CriticWorker(PlacedWorker):
         self.require_resident("train")
         started = time.perf_counter()
         # every rank must draw the same mini-batch split (see ActorTrainWorker.train)
-        shuffle = torch.Generator().manual_seed(self.config.seed * 100_019 + self.updates)
-        metrics = train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle)
+        shuffle = torch.Generator().manual_seed(derive_seed(self.config.seed, "critic_minibatches", self.updates))
+        try:
+            metrics = train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle)
+        except NonFiniteError as err:
+            raise nonfinite_in_role(err, "critic", "train.critic_lr") from None
         self.updates += 1
         metrics = {key if key.startswith("critic/") else f"critic/{key}": value
                    for key, value in metrics.items()}

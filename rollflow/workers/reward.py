@@ -17,6 +17,7 @@ import ray
 from rollflow.cluster.groups import WorkerGroup
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.rewards import CombinedReward, ModelReward, combine_rewards, resolve_reward
+from rollflow.rewards.pool import RewardPool
 from rollflow.rewards.registry import Row
 from rollflow.workers.base import PlacedWorker, move_report, torch_device
 
@@ -109,7 +110,9 @@ class RemoteReward:
         return ref
 
     def wait(self, future: ray.ObjectRef) -> list[Any]:
-        return ray.get(future)
+        """The scores of a `submit`, bounded by the group's watchdog (`StalledError` past it)."""
+        index = next((i for i, refs in enumerate(self._in_flight) if future in refs), 0)
+        return self.group.get([future], "score_group", [index])[0]
 
     def close(self) -> None:
         """Nothing to release here: the workers belong to the run's `reward` group, shut down with it."""
@@ -135,4 +138,4 @@ def build_reward_fn(reward_config, group: WorkerGroup | None = None) -> Combined
                 raise ValueError(f"reward {function.name!r} is a model reward: start the reward role first")
             fn = RemoteReward(function.name, group)
         rewards.append((function.name, fn, function.weight))
-    return combine_rewards(rewards)
+    return combine_rewards(rewards, RewardPool(reward_config.num_threads, reward_config.timeout_s))

@@ -15,10 +15,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import ray
 import torch
 
-from rollflow.cluster.groups import WorkerGroup, WorkerGroups, cluster_shape, reserve_bundles
+from rollflow.cluster import calls
+from rollflow.cluster.groups import START_TIMEOUT_S, WorkerGroup, WorkerGroups, cluster_shape, reserve_bundles
 from rollflow.cluster.placement import PlacementPlan, plan_placement
 from rollflow.cluster.runtime import start_ray, stop_ray
 from rollflow.config import RoleConfig, RunConfigBase
@@ -108,12 +108,12 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
     """
     devices_per_node, num_nodes = cluster_shape(config.cluster.device, config.cluster.num_devices)
     plan = plan_roles(config, roles, devices_per_node, num_nodes)
-    groups = WorkerGroups(plan, reserve_bundles(plan))
+    groups = WorkerGroups(plan, reserve_bundles(plan), timeout_s=config.cluster.watchdog_s)
     try:
         for role in roles:
             groups.spawn(role, import_object(ROLE_WORKERS[role]), config, *(role_args or {}).get(role, ()))
         groups.wait_ready()
-        ray.get([ref for role in TRAINER_ROLES if role in groups for ref in _init_backends(groups[role])])
+        _init_backends([groups[role] for role in TRAINER_ROLES if role in groups])
         if config.cluster.weight_sync_transport == "broadcast":
             _open_broadcast(groups["actor_train"], groups["actor_infer"])
     except BaseException:
@@ -144,21 +144,30 @@ def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mappin
             stop_ray()
 
 
-def _init_backends(group: WorkerGroup) -> list[ray.ObjectRef]:
-    """Every worker of a trainer role builds its backend; the ranks of a role meet at worker 0's address
-    (fsdp2 joins a process group there; the torch backend, one process per model, ignores it)."""
-    master_addr, master_port = ray.get(group.handles[0].rendezvous_address.remote())
-    return group.call_async("init_backend", master_addr, master_port, len(group))
+def _init_backends(trainers: list[WorkerGroup]) -> None:
+    """Every worker of each trainer role builds its backend, all roles at once; the ranks of a role meet at
+    worker 0's address (fsdp2 joins a process group there; the torch backend, one process per model, ignores
+    it). Building a model is bounded like a constructor (`START_TIMEOUT_S`), or longer with a longer
+    watchdog."""
+    started = []
+    for group in trainers:
+        master_addr, master_port = group.get([group.handles[0].rendezvous_address.remote()],
+                                             "rendezvous_address")[0]
+        started.append((group, group.call_async("init_backend", master_addr, master_port, len(group))))
+    for group, refs in started:
+        calls.get(refs, group.role, "init_backend", timeout_s=max(group.timeout_s, START_TIMEOUT_S))
 
 
 def _open_broadcast(actor_train: WorkerGroup, actor_infer: WorkerGroup) -> None:
     """Form the weight-broadcast group: trainer rank 0 hosts it, engine worker i joins as rank i + 1."""
     trainer = actor_train.handles[0]
-    host, port = ray.get(trainer.rendezvous_address.remote())
+    host, port = actor_train.get([trainer.rendezvous_address.remote()], "rendezvous_address")[0]
     world_size = len(actor_infer) + 1
-    ray.get([trainer.open_broadcast.remote(host, port, world_size),
-             *[engine.open_broadcast.remote(host, port, rank + 1, world_size)
-               for rank, engine in enumerate(actor_infer.handles)]])
+    hosting = trainer.open_broadcast.remote(host, port, world_size)  # both sides start before either wait
+    joining = [engine.open_broadcast.remote(host, port, rank + 1, world_size)
+               for rank, engine in enumerate(actor_infer.handles)]
+    actor_infer.get(joining, "open_broadcast")
+    actor_train.get([hosting], "open_broadcast")
 
 
 def forward_rows(group: WorkerGroup, backend: str, method: str, batch: Batch) -> torch.Tensor:

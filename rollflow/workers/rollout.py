@@ -6,11 +6,13 @@ arrive (`rollflow.cluster.weight_sync.WeightReceiver`); the engine only loads ve
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, WeightReceiver
 from rollflow.config import RunConfigBase
+from rollflow.data.seeds import derive_seed
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
 from rollflow.workers.base import PlacedWorker, move_report, torch_device
@@ -35,7 +37,9 @@ class RolloutWorker(PlacedWorker):
         device = {"device": torch_device(config)} if on_device else {}
         self.engine = create_engine(
             role.engine, model_path=config.model.path, dtype=config.model.dtype,
-            max_batch_size=role.max_batch_size, seed=config.seed * 1000 + self.worker_index,
+            max_batch_size=role.max_batch_size,
+            # 32 bits: vLLM and SGLang also seed numpy's global generator, which takes only [0, 2**32)
+            seed=derive_seed(config.seed, "engine", self.worker_index, bits=32),
             trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
         )
 
@@ -43,6 +47,14 @@ class RolloutWorker(PlacedWorker):
         completion = await self.engine.generate(request)
         completion.metadata["worker"] = self.worker_index
         return completion
+
+    async def generate_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Every request of `requests`, queued together in this order (so they share the engine's batches
+        the same way on every run: the scheduler's deterministic mode)."""
+        completions = await asyncio.gather(*[self.engine.generate(request) for request in requests])
+        for completion in completions:
+            completion.metadata["worker"] = self.worker_index
+        return list(completions)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.engine.abort(request_ids)

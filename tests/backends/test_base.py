@@ -27,10 +27,10 @@ def test_settings_hold_every_shared_constructor_field_with_its_default():
     assert SETTINGS_FIELDS == {field.name for field in dataclasses.fields(TrainerSettings)} == {
         "model_path", "dtype", "lr", "betas", "weight_decay", "warmup_steps", "max_grad_norm", "micro_batch_size",
         "trainable", "lr_schedule", "total_steps", "trust_remote_code", "value_head", "max_response_length",
-        "lora", "device"}
+        "lora", "device", "on_nonfinite"}
     assert (settings.dtype, settings.lr, settings.betas, settings.micro_batch_size, settings.trainable,
-            settings.lr_schedule, settings.lora, settings.device) == (
-        "float32", 1e-5, (0.9, 0.999), 32, True, "constant", None, None)
+            settings.lr_schedule, settings.lora, settings.device, settings.on_nonfinite) == (
+        "float32", 1e-5, (0.9, 0.999), 32, True, "constant", None, None, "stop")
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.lr = 1.0
 
@@ -40,6 +40,8 @@ def test_settings_reject_contradictions_and_unknown_schedules():
         TrainerSettings("tiny", lora={"rank": 2}, trainable=False)
     with pytest.raises(ValueError, match="constant, cosine"):
         TrainerSettings("tiny", lr_schedule="linear")
+    with pytest.raises(ValueError, match="stop, skip_step"):
+        TrainerSettings("tiny", on_nonfinite="skip")
 
 
 def test_base_module_imports_only_the_standard_library_and_torch():

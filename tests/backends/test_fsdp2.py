@@ -369,3 +369,30 @@ def test_world_size_one_in_process_and_bfloat16_compute(random_model_dir, monkey
     full = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).forward_logprobs(batch)
     gap = float((half_logprobs - full).abs().max())
     assert 1e-4 < gap < 0.1  # bfloat16 rounding: visible, but small
+
+
+def test_non_finite_steps_on_one_in_process_rank(random_model_dir, monkeypatch):
+    """The non-finite checks read the global (DTensor) norms: a NaN gradient stops or skips without touching
+    the shards, and weights a step made non-finite stop the run."""
+    from rollflow.backends.fsdp2 import FSDP2Backend
+    from rollflow.errors import NonFiniteError
+    from tests.backends.test_torch_backend import NaNGradientLoss
+
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(name, value)
+    stopping = FSDP2Backend(_settings(random_model_dir))  # owns the process group: closed last
+    try:
+        skipping = FSDP2Backend(_settings(random_model_dir, on_nonfinite="skip_step"))
+        diverging = FSDP2Backend(_settings(random_model_dir, lr=float("inf"), on_nonfinite="skip_step"))
+        before = stopping.named_weights()
+        with pytest.raises(NonFiniteError, match=r"non-finite grad norm \(nan\) at optimizer step 1"):
+            stopping.train_step(_batch(5, 30), NaNGradientLoss())
+        assert _max_diff(before, stopping.named_weights()) == 0.0
+        assert skipping.train_step(_batch(5, 30), NaNGradientLoss())["skipped_steps"] == 1.0
+        assert _max_diff(before, skipping.named_weights()) == 0.0
+        assert skipping.train_step(_batch(5, 31), _actor_loss("token_mean"))["skipped_steps"] == 0.0
+        with pytest.raises(NonFiniteError, match="weights became non-finite after optimizer step 1"):
+            diverging.train_step(_batch(5, 30), _actor_loss("token_mean"))
+    finally:
+        stopping.close()

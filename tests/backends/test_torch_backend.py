@@ -5,6 +5,7 @@ from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
 from rollflow.data.sample import Sample, collate
+from rollflow.errors import NonFiniteError
 from rollflow.workers.actor_loss import ActorLoss
 
 
@@ -96,3 +97,64 @@ def test_offload_moves_weights_and_adam_state_and_guards_use(random_model_dir):
         backend.train_step(_batch(), loss)
     backend.onload()
     assert torch.isfinite(torch.tensor(backend.train_step(_batch(), loss)["loss"]))  # works again
+
+
+class NaNGradientLoss:
+    """The policy loss plus sqrt(0 * logits): the loss stays finite, its gradient is NaN (inf * 0)."""
+
+    def __init__(self):
+        self.loss = ActorLoss(AlgorithmConfig(), temperature=1.0)
+
+    def __call__(self, logits, batch, normalizer):
+        loss, metrics = self.loss(logits, batch, normalizer)
+        return loss + torch.sqrt((logits * 0).sum()), metrics
+
+
+def _weights(backend):
+    return {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+
+
+def test_a_nan_gradient_stops_before_any_weight_changes(random_model_dir):
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=4))
+    backend.train_step(_batch(), ActorLoss(AlgorithmConfig(), temperature=1.0))  # step 1 is a good one
+    before = _weights(backend)
+    with pytest.raises(NonFiniteError) as raised:
+        backend.train_step(_batch(), NaNGradientLoss())
+    assert str(raised.value) == "non-finite grad norm (nan) at optimizer step 2; the weights were not updated"
+    assert raised.value.weights_updated is False
+    assert all(torch.equal(before[n], p) for n, p in backend.model.named_parameters())
+    assert all(p.grad is None for p in backend.model.parameters())  # the bad gradient is gone too
+    nan_loss = lambda logits, batch, normalizer: (logits.sum() * float("nan"), {})  # noqa: E731
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at optimizer step 2"):
+        backend.train_step(_batch(), nan_loss)
+
+
+def test_skip_step_drops_a_nan_gradient_and_the_next_step_trains(random_model_dir):
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=4, warmup_steps=2,
+                                           on_nonfinite="skip_step"))
+    before = _weights(backend)
+    skipped = backend.train_step(_batch(), NaNGradientLoss())
+    assert skipped["skipped_steps"] == 1.0 and skipped["lr"] == pytest.approx(0.5e-2)  # warm-up 1/2 still
+    assert all(torch.equal(before[n], p) for n, p in backend.model.named_parameters())
+    assert backend.scheduler.last_epoch == 0  # the LR schedule did not advance
+    trained = backend.train_step(_batch(), ActorLoss(AlgorithmConfig(), temperature=1.0))
+    assert trained["skipped_steps"] == 0.0 and trained["lr"] == pytest.approx(1e-2)
+    assert any(not torch.equal(before[n], p) for n, p in backend.model.named_parameters())
+
+
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip_step"])
+def test_weights_a_step_made_non_finite_stop_the_run_in_both_modes(random_model_dir, on_nonfinite):
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=float("inf"), micro_batch_size=8,
+                                           on_nonfinite=on_nonfinite))
+    with pytest.raises(NonFiniteError) as raised:
+        backend.train_step(_batch(), ActorLoss(AlgorithmConfig(), temperature=1.0))
+    assert str(raised.value) == "weights became non-finite after optimizer step 1"
+    assert raised.value.weights_updated is True
+
+
+def test_huge_but_finite_weights_are_not_reported_as_non_finite(random_model_dir):
+    """The check reads the largest |weight|, whose square would overflow a 2-norm into a false alarm."""
+    backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e30, micro_batch_size=8))
+    backend.train_step(_batch(), ActorLoss(AlgorithmConfig(), temperature=1.0))
+    largest = max(float(p.detach().abs().max()) for p in backend.model.parameters())
+    assert 1e25 < largest < float("inf")

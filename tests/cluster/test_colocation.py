@@ -6,6 +6,7 @@ import ray
 from rollflow.cluster.colocation import ColocationManager, transitions
 from rollflow.cluster.groups import WorkerGroup
 from rollflow.config import load_config
+from rollflow.errors import WorkerError
 from rollflow.pipelines.rlvr import PHASES
 from rollflow.workers.base import PlacedWorker
 from rollflow.workers.roles import plan_roles
@@ -80,7 +81,7 @@ def test_manager_moves_workers_and_guards_offloaded_use(ray_session):
     assert groups["actor_train"].call("moves") == ["offload", "onload"]
     assert groups["reference"].call("moves") == ["offload", "onload", "offload"]
     assert manager.resident == {"actor_train": True, "actor_infer": False, "reference": False}
-    with pytest.raises(RuntimeError, match="called while offloaded"):
+    with pytest.raises(WorkerError, match="reference worker 0 failed in work: .*called while offloaded"):
         groups["reference"].call("work")
     assert groups["actor_train"].call("work") == "done"
     metrics = manager.pop_metrics()

@@ -11,8 +11,9 @@ from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
-from rollflow.engines.base import GenerationRequest, SamplingParams
+from rollflow.engines.base import SEED_MODULUS, GenerationRequest, SamplingParams, sample_seed
 from rollflow.engines.hf import HFEngine, cpu_decode_attention
+from rollflow.errors import EngineError
 from rollflow.registry import UnknownNameError
 
 PROMPTS = [[3, 20, 21, 5], [3, 22, 5], [3, 23, 24, 25, 26, 5]]
@@ -111,6 +112,71 @@ def test_close_resolves_running_and_queued_requests_and_refuses_new_ones(random_
     with pytest.raises(RuntimeError, match="closed"):
         engine.update_weights({}, version=1)
     engine.close()  # idempotent
+
+
+def _outcomes(engine, requests, timeout_s=30):
+    """Each request's completion or exception, with every request in flight together."""
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*[engine.generate(r) for r in requests],
+                                                     return_exceptions=True), timeout=timeout_s)
+
+    return asyncio.run(main())
+
+
+def test_nan_weights_fail_every_request_promptly_and_the_engine_serves_again_once_restored(engine):
+    """Sampled, greedy and queued requests all fail with one EngineError line (none waits forever); the
+    engine then serves a request on good weights."""
+    engine.max_batch_size = 3  # "queued" (n=2) does not fit next to the other three rows: the next wave
+    good = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    engine.update_weights({name: torch.full_like(t, float("nan")) for name, t in good.items()}, version=1)
+    requests = [GenerationRequest("sampled", PROMPTS[0], SamplingParams(max_new_tokens=8, n=2)),
+                GenerationRequest("greedy", PROMPTS[1], SamplingParams(max_new_tokens=8, temperature=0.0)),
+                GenerationRequest("queued", PROMPTS[2], SamplingParams(max_new_tokens=8, n=2))]
+    outcomes = _outcomes(engine, requests)
+    assert all(isinstance(outcome, EngineError) for outcome in outcomes), outcomes
+    assert str(outcomes[0]) == ("hf engine: decoding failed: the model's logits are not finite "
+                                "(non-finite weights?)")
+    assert not engine._unresolved and not engine._queue
+
+    engine.update_weights(good, version=2)
+    completion = _outcomes(engine, [GenerationRequest("after", PROMPTS[0], SamplingParams(max_new_tokens=3))])[0]
+    assert len(completion.outputs[0].token_ids) >= 1 and completion.metadata["version"] == 2
+
+
+def test_an_error_mid_wave_fails_the_wave_and_the_queue_with_its_first_line(engine, monkeypatch):
+    engine.eos_ids = []  # every row runs to max_new_tokens: the failure comes mid-wave
+    engine.max_batch_size = 2
+    forward, calls = engine._forward, []
+
+    def failing_forward(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore details")
+        return forward(*args)
+
+    monkeypatch.setattr(engine, "_forward", failing_forward)
+    requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_new_tokens=10))
+                for i, prompt in enumerate(PROMPTS)]
+    outcomes = _outcomes(engine, requests)
+    assert [str(outcome) for outcome in outcomes] == [
+        "hf engine: decoding failed: CUDA error: an illegal memory access was encountered"] * 3
+    monkeypatch.setattr(engine, "_forward", forward)
+    assert len(_outcomes(engine, requests[:1])[0].outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("n", 0), ("temperature", -0.1),
+                                          ("temperature", float("nan"))])
+def test_sampling_params_refuse_values_no_engine_can_sample_with(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_any_request_seed_gives_sample_seeds_inside_torch_range(engine):
+    assert sample_seed(2, 1) == 2_000_007  # 2 * 1_000_003 + 1
+    assert 0 <= sample_seed(SEED_MODULUS - 1, 7) < SEED_MODULUS  # would overflow manual_seed unreduced
+    params = SamplingParams(max_new_tokens=3, n=2, seed=SEED_MODULUS - 1)
+    first, second = (_outcomes(engine, [GenerationRequest("s", PROMPTS[0], params)])[0] for _ in range(2))
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
 
 
 def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():

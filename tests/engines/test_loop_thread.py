@@ -239,3 +239,39 @@ def test_a_waiter_notices_a_thread_that_ended_without_resolving_it(monkeypatch):
         task.cancel()
     driver.loop.run_until_complete(asyncio.wait(tasks))
     driver.loop.close()
+
+
+def test_run_async_reports_a_dying_thread_instead_of_a_bare_cancellation():
+    """A waiter on another loop (a Ray actor's) learns that the thread died or closed under it; its own
+    cancellation still reaches it as one."""
+    driver = LoopThread(_build_bound)
+
+    async def caller():
+        assert await driver.run_async(driver.instance.echo("x")) == ("x", True)
+        with pytest.raises(ValueError, match="bad request"):
+            await driver.run_async(driver.instance.fail())
+        own = asyncio.ensure_future(driver.run_async(driver.instance.wait_for_gate("never")))
+        await asyncio.sleep(0.05)
+        own.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await own
+        pending = asyncio.ensure_future(driver.run_async(driver.instance.wait_for_gate("never")))
+        await asyncio.sleep(0.05)
+        driver.submit(driver.instance.stop_loop_and_hang())
+        with pytest.raises(RuntimeError, match="died") as raised:
+            await asyncio.wait_for(pending, timeout=10)
+        assert "stopped" in str(raised.value.__cause__)
+
+    asyncio.run(caller())
+    driver.close()
+
+    closing = LoopThread(_build_bound)
+
+    async def closed_under_it():
+        pending = asyncio.ensure_future(closing.run_async(closing.instance.wait_for_gate("never")))
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, closing.close)
+        with pytest.raises(RuntimeError, match="closed before"):
+            await asyncio.wait_for(pending, timeout=10)
+
+    asyncio.run(closed_under_it())

@@ -68,7 +68,8 @@ def test_bad_specs(rewards, error, pattern):
     [
         (None, TypeError, "reward 'r' returned NoneType"),
         ("1.0", TypeError, "returned str"),
-        (float("nan"), ValueError, "returned NaN"),
+        (float("nan"), ValueError, "returned nan, expected a finite number"),
+        (float("-inf"), ValueError, "returned -inf, expected a finite number"),
         ({"x": "bad"}, TypeError, "entry 'x' returned str"),
     ],
 )

@@ -1,7 +1,9 @@
 """Routing: prompt affinity, least-loaded workers and the per-worker cap on in-flight requests."""
 
 import asyncio
+import time
 
+import pytest
 import ray
 
 from rollflow.data.prompts import EncodedPrompt
@@ -50,3 +52,68 @@ def test_groups_stay_on_one_worker_and_the_cap_holds(ray_session):
     assert sorted(s.reward for s in result.samples) == [0.0] * 18 + [1.0] * 18
     for worker in (fast, slow):
         ray.kill(worker)
+
+
+class _BatchRecorder:
+    """Answers `generate_batch` with one token per sample (the request seed mod 97) and records the order."""
+
+    def __init__(self, index: int, delay: float = 0.0):
+        self.index, self.delay, self.seen = index, delay, []
+
+    async def generate_batch(self, requests):
+        await asyncio.sleep(self.delay)
+        self.seen.append([(r.prompt_ids[0], r.params.seed) for r in requests])
+        return [Completion(r.request_id, [CompletionOutput([r.params.seed % 97 + slot], [-0.1], [0], "stop")
+                                          for slot in range(r.params.n)], {"worker": self.index})
+                for r in requests]
+
+    async def received(self):
+        return self.seen
+
+
+def test_deterministic_mode_fixes_shares_order_and_seeds(ray_session):
+    from rollflow.data.seeds import derive_seed
+
+    workers = [ray.remote(num_cpus=0)(_BatchRecorder).remote(i, d) for i, d in enumerate((0.3, 0.0))]
+    scheduler = RolloutScheduler(workers, _reward, decode=str, max_in_flight=1, seed=7, deterministic=True)
+    prompts = [EncodedPrompt({"answer": 0}, "p", [k]) for k in range(5)]
+    result = scheduler.generate(prompts, SamplingParams(n=2), seed_key=("train", 3))
+    seeds = [derive_seed(7, "train", 3, i) for i in range(5)]
+    # worker w gets prompts w, w + 2, ... in one batch, in order (the cap does not split it), each seeded
+    assert ray.get(workers[0].received.remote()) == [[(0, seeds[0]), (2, seeds[2]), (4, seeds[4])]]
+    assert ray.get(workers[1].received.remote()) == [[(1, seeds[1]), (3, seeds[3])]]
+    # samples come back in prompt order, each group in sample order, although worker 1 answered first
+    assert [(s.prompt_ids[0], s.response_ids[0]) for s in result.samples] == \
+        [(k, seeds[k] % 97 + slot) for k in range(5) for slot in range(2)]
+    for worker in workers:
+        ray.kill(worker)
+
+
+class _Silent:
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+
+def test_a_rollout_without_progress_stops_naming_the_workers(ray_session):
+    from rollflow.errors import StalledError
+
+    worker = ray.remote(num_cpus=0)(_Silent).remote()
+    scheduler = RolloutScheduler([worker], _reward, decode=str, watchdog_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(StalledError, match=r"no progress for 1 s in phase rollout: waiting on actor_infer "
+                                           r"worker 0 \(2 groups generating\)"):
+        scheduler.generate([EncodedPrompt({"answer": 0}, "p", [1])] * 2, SamplingParams(n=1))
+    assert time.monotonic() - started < 10
+    ray.kill(worker)
+
+
+def test_a_dead_engine_worker_is_one_line(ray_session):
+    from rollflow.errors import WorkerDiedError
+
+    worker = ray.remote(num_cpus=0)(_Silent).remote()
+    scheduler = RolloutScheduler([worker], _reward, decode=str)
+    ray.get(worker.__ray_ready__.remote())
+    killer = __import__("threading").Timer(0.5, lambda: ray.kill(worker))
+    killer.start()
+    with pytest.raises(WorkerDiedError, match=r"^actor_infer worker 0 died during generate"):
+        scheduler.generate([EncodedPrompt({"answer": 0}, "p", [1])], SamplingParams(n=1))

@@ -19,6 +19,7 @@ from rollflow.config import load_config
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
+from rollflow.errors import WorkerError
 from rollflow.pipelines.rlvr import PHASES
 from rollflow.rewards import ModelReward, ScoreError, combine_rewards, resolve_reward
 from rollflow.rewards.judge import LLMJudge
@@ -250,7 +251,7 @@ def test_reward_workers_sharing_the_trainers_devices_are_offloaded_while_it_trai
         assert groups["reward"].call("moves", "slow") == ["offload"]
         assert groups["actor_infer"].call("moves") == []  # disaggregated: never moves
         assert manager.resident["reward"] is False
-        with pytest.raises(ray.exceptions.RayTaskError, match="called while offloaded"):
+        with pytest.raises(WorkerError, match="called while offloaded"):
             RemoteReward("slow", groups["reward"]).wait(
                 RemoteReward("slow", groups["reward"]).submit(["x"], [{}]))
         manager.enter("rollout")  # back for the next rollout, and the trainer steps aside

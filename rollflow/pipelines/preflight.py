@@ -1,0 +1,286 @@
+"""Checks an RLVR run's inputs on the driver before Ray starts, so a bad input is one line, never a worker's
+traceback nor a failure at step 11 of 12.
+
+`check_inputs(config, roles)` runs them all, in this order, and returns what the driver needs next:
+
+1. the models: a local directory has weights and a tokenizer, a hub id is cached or the hub answers
+   (`rollflow.models.check_model_files`);
+2. the response limits against the model's context (`check_generation_limits`);
+3. every row of `data.train` and `data.eval`, encoded up front (`encode_prompts`): a null, empty or
+   non-string prompt, characters the tokenizer cannot represent, a prompt longer than
+   `data.max_prompt_tokens` or one that leaves no room for the response in the model's context, each named
+   by dataset and 1-based row number;
+4. the columns the rewards declared (`rollflow.rewards.needs_columns`) in every row (`check_reward_columns`);
+5. thread counts against the machine's cores (`resource_warnings`, lines to print, not errors).
+"""
+
+from __future__ import annotations
+
+import os
+import unicodedata
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollflow.config import DatasetConfig, RLVRConfig
+from rollflow.data.prompts import EncodedPrompt, PromptEncoder, Row, load_dataset
+from rollflow.errors import ConfigError, DataError
+from rollflow.models import check_model_files, load_model_config, load_tokenizer
+from rollflow.rewards.registry import required_columns, resolve_reward
+
+# Model config attributes that hold the context length, by model family (the first one present counts).
+CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass
+class CheckedInputs:
+    """What `check_inputs` hands the driver: the tokenizer and every prompt, encoded and checked."""
+
+    tokenizer: Any
+    encoder: PromptEncoder
+    train_prompts: list[EncodedPrompt]
+    eval_prompts: list[EncodedPrompt]
+    warnings: list[str]
+
+
+def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -> CheckedInputs:
+    """Every check of this module, in the order of the module docstring.
+
+    Args:
+        config: the run config.
+        roles: the roles the run starts (`rollflow.pipelines.rlvr.rlvr_roles`), for `resource_warnings`.
+        train: check and encode `data.train` too (`rollflow eval` reads only `data.eval`).
+
+    Returns:
+        The tokenizer, the prompt encoder, every train and eval prompt encoded, and the resource warnings.
+
+    Raises:
+        ModelLoadError, ConfigError, DataError: one line each (the CLI prints it and exits with status 2).
+    """
+    model = config.model
+    check_model_files(model.path)
+    if config.algorithm.needs_reference and config.roles.reference.model_path is not None:
+        check_model_files(config.roles.reference.model_path)
+    model_config = load_model_config(model.path, model.trust_remote_code)
+    check_generation_limits(config, model_config)
+    tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+    data = config.data
+    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
+    context = context_length(model_config)
+    columns = reward_columns(config)
+    prompts: dict[str, list[EncodedPrompt]] = {"data.train": [], "data.eval": []}
+    limits = {"data.train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
+              "data.eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
+    for key, dataset in (("data.train", data.train), ("data.eval", data.eval)):
+        if dataset is None or key == "data.train" and not train:
+            continue
+        source = dataset_source(key, dataset)
+        rows = load_dataset(dataset, data.prompt_key, data.answer_key)
+        check_reward_columns(rows, source, columns, data.answer_key)
+        prompts[key] = encode_prompts(encoder, rows, source, max_new_tokens=limits[key][1],
+                                      context_length=context, max_new_tokens_key=limits[key][0])
+    warnings = resource_warnings(config, roles)
+    return CheckedInputs(tokenizer, encoder, prompts["data.train"], prompts["data.eval"], warnings)
+
+
+def dataset_source(key: str, dataset: DatasetConfig) -> str:
+    """How messages name a dataset: its config key and its file or task, e.g. `data.train (rows.jsonl)`."""
+    return f"{key} ({dataset.path})" if dataset.path is not None else f"{key} (task {dataset.task!r})"
+
+
+def context_length(model_config: Any) -> int | None:
+    """The model's context length, in tokens (`max_position_embeddings` or its family's name for it); None
+    when the config states none."""
+    for attribute in CONTEXT_ATTRIBUTES:
+        value = getattr(model_config, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_generation_limits(config: RLVRConfig, model_config: Any) -> None:
+    """A response limit must leave room for a prompt in the model's context.
+
+    Raises:
+        ConfigError: `rollout.max_new_tokens` or `eval.max_new_tokens` >= the context length.
+    """
+    context = context_length(model_config)
+    if context is None:
+        return
+    for key, value in (("rollout.max_new_tokens", config.rollout.max_new_tokens),
+                       ("eval.max_new_tokens", config.eval.max_new_tokens)):
+        if value is not None and value >= context:
+            raise ConfigError(f"{key} is {value}, but the model's context holds {context} tokens "
+                              f"(max_position_embeddings), prompt included; set it below {context}")
+
+
+def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, max_new_tokens: int = 0,
+                   context_length: int | None = None,
+                   max_new_tokens_key: str = "rollout.max_new_tokens") -> list[EncodedPrompt]:
+    """Encode every row now, checking each prompt, so a bad row stops the run before it starts.
+
+    Args:
+        encoder: renders and tokenizes a row's prompt.
+        rows: the dataset's rows.
+        source: the dataset, as messages name it (`dataset_source`).
+        max_new_tokens: the response limit the prompts are generated with.
+        context_length: the model's context, in tokens; None: not checked.
+        max_new_tokens_key: the config key of `max_new_tokens`, for the message.
+
+    Returns:
+        One `EncodedPrompt` per row, in order.
+
+    Raises:
+        DataError: naming `source` and the 1-based row: a null, empty or non-string prompt; characters the
+            tokenizer cannot represent; more tokens than `data.max_prompt_tokens`; prompt + response longer
+            than the model's context.
+    """
+    tokenizer = encoder.tokenizer
+    encoded = []
+    for number, row in enumerate(rows, start=1):
+        where = f"{source} row {number}"
+        prompt = row.get(encoder.prompt_key)
+        problem = _prompt_problem(prompt, encoder.prompt_key, encoder.use_template)
+        if problem:
+            raise DataError(f"{where}: {problem}")
+        try:
+            prompt_ids = encoder.encode(row)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+        except Exception as err:  # a chat template raises whatever jinja or the template raises
+            raise DataError(f"{where}: the chat template cannot render the prompt ({_first_line(err)})") from None
+        lost = _unrepresented(prompt_ids.text, tokenizer.decode(prompt_ids.token_ids, skip_special_tokens=False))
+        if lost:
+            raise DataError(f"{where}: the tokenizer cannot represent {lost} (they would be dropped or turned "
+                            "into unknown tokens); remove them from the data or use a model whose tokenizer "
+                            "covers them")
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        if unknown is not None and unknown in prompt_ids.token_ids:
+            raise DataError(f"{where}: the prompt encodes to the tokenizer's unknown token "
+                            f"{tokenizer.unk_token!r}: {prompt_ids.text[:60]!r}")
+        total = len(prompt_ids.token_ids) + max_new_tokens
+        if context_length is not None and total > context_length:
+            raise DataError(
+                f"{where}: the prompt has {len(prompt_ids.token_ids)} tokens, and with {max_new_tokens_key} = "
+                f"{max_new_tokens} that is {total}, over the model's context of {context_length} tokens; keep "
+                f"prompts within {context_length - max_new_tokens} tokens or lower {max_new_tokens_key}")
+        encoded.append(prompt_ids)
+    return encoded
+
+
+def reward_columns(config: RLVRConfig) -> dict[str, tuple[str, ...]]:
+    """Per configured reward, the dataset columns it declared (`rollflow.rewards.needs_columns`).
+
+    Raises:
+        RewardLoadError: a reward that does not resolve (one line).
+    """
+    return {function.name: required_columns(resolve_reward(function.name, function.kwargs))
+            for function in config.reward.functions}
+
+
+def check_reward_columns(rows: Sequence[Row], source: str, columns: Mapping[str, Sequence[str]],
+                         answer_key: str = "answer") -> None:
+    """Every row has every column a reward needs (null counts as missing, as `require_column` sees it).
+
+    Args:
+        rows: the dataset's rows.
+        source: the dataset, as messages name it.
+        columns: reward name -> the columns it needs (`reward_columns`).
+        answer_key: `data.answer_key`, named in the message when `answer` is missing.
+
+    Raises:
+        DataError: naming the dataset, the first row without a column, the reward and the row's columns.
+    """
+    for number, row in enumerate(rows, start=1):
+        for reward, needed in columns.items():
+            for column in needed:
+                if row.get(column) is None:
+                    hint = ("" if column != "answer" else f" (data.answer_key is {answer_key!r})"
+                            if answer_key != "answer" else "; if the answers are in another column, set "
+                            "data.answer_key")
+                    present = ", ".join(sorted(row)) or "none"
+                    raise DataError(f"{source} row {number}: reward {reward!r} needs the column {column!r}, "
+                                    f"which the row lacks (its columns: {present}){hint}")
+
+
+def resource_warnings(config: RLVRConfig, roles: Sequence[str]) -> list[str]:
+    """One line per thread count above this machine's cores: `cluster.num_cpus`, and the busiest role.
+
+    Roles without a `device_mapping` time-share the machine phase by phase, so the largest one counts: a
+    role's workers run at once, each with `num_cpus` threads. More threads than cores slow a run several
+    times over (64 threads on 2 cores: 3.7x). Nothing is checked when joining a cluster (`cluster.address`):
+    its nodes are other machines.
+
+    Args:
+        config: the run config.
+        roles: the roles the run starts.
+
+    Returns:
+        The warnings (empty when the plan fits).
+    """
+    if config.cluster.address:
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    warnings = []
+    if config.cluster.num_cpus is not None and config.cluster.num_cpus > cores:
+        warnings.append(f"cluster.num_cpus is {config.cluster.num_cpus} but this machine has {cores} CPU cores: "
+                        f"Ray will start more work than the cores can run; set it to {cores} or less")
+    unplaced = [role for role in roles if config.roles.of(role).device_mapping is None]
+    threads = {role: config.roles.of(role).num_workers * max(1, int(config.roles.of(role).num_cpus))
+               for role in unplaced}
+    if threads:
+        busiest = max(threads, key=threads.get)
+        spec = config.roles.of(busiest)
+        if threads[busiest] > cores:
+            warnings.append(
+                f"roles.{busiest} runs {threads[busiest]} threads ({spec.num_workers} worker(s) x num_cpus "
+                f"{spec.num_cpus:g}) on a machine with {cores} CPU cores: oversubscribed threads slow a run "
+                f"several times over; lower roles.{busiest}.num_cpus (or num_workers) to fit {cores} cores")
+    return warnings
+
+
+def _prompt_problem(prompt: Any, prompt_key: str, chat: bool) -> str | None:
+    """Why `prompt` cannot be a prompt, or None. A list of `{role, content}` messages is a prompt when the
+    chat template renders it."""
+    if prompt is None:
+        return f"the prompt (column {prompt_key!r}) is null"
+    if isinstance(prompt, str):
+        return None if prompt.strip() else f"the prompt (column {prompt_key!r}) is empty"
+    if isinstance(prompt, list):
+        if not chat:
+            return (f"the prompt (column {prompt_key!r}) is a list of chat messages, but no chat template "
+                    "renders it (data.apply_chat_template is false or the tokenizer has no template); give a "
+                    "string")
+        for message in prompt:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                return (f"the prompt (column {prompt_key!r}) is a list, but not of chat messages "
+                        f"{{role: str, content: str}}: {message!r:.60}")
+        if not any(message["content"].strip() for message in prompt):
+            return f"the prompt (column {prompt_key!r}) has no message with content"
+        return None
+    return f"the prompt (column {prompt_key!r}) must be a string, not {type(prompt).__name__}: {prompt!r:.60}"
+
+
+def _normalized(text: str) -> str:
+    """Text as compared for representability: no whitespace (a tokenizer may drop or add spaces), NFKC and
+    case-folded (a tokenizer may normalize)."""
+    return "".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _unrepresented(text: str, decoded: str) -> str:
+    """The characters of `text` (a rendered prompt) that `decoded` (its token ids decoded, special tokens
+    kept) lacks, quoted, e.g. `'é', 'ü'`; empty when it has them all, up to whitespace and normalization."""
+    lost = Counter(_normalized(text)) - Counter(_normalized(decoded))
+    if not lost:
+        return ""
+    kept = Counter(_normalized(decoded))
+    named = [character for character in dict.fromkeys(text) if not character.isspace()
+             and Counter(_normalized(character)) - kept]  # e.g. 'ﬁ' when no 'f' survived
+    return ", ".join(repr(character) for character in (named or sorted(lost)))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

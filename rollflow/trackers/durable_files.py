@@ -1,0 +1,136 @@
+"""Files of a run directory that a crash or a full disk cannot leave half-written.
+
+JSONL logs (`metrics.jsonl`, `samples.jsonl`) grow by whole records: each append is one write(2) of complete
+lines to an O_APPEND descriptor, so a killed process leaves at most a torn last line, which `read_records`
+ignores and `truncate_records` removes. Whole files (`config.yaml`, `placement.json`, a checkpoint's
+`driver_state.json`) are replaced atomically: written to a temporary sibling, then renamed over the target.
+A full disk or quota surfaces as one `DiskFullError` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rollflow.errors import DiskFullError
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# How a full disk reads when it comes back as text: torch.save / save_pretrained in a worker (torch's zip
+# writer, safetensors' Rust IoError) and the OS messages of ENOSPC and EDQUOT inside a remote traceback.
+DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed writing file",
+                      "StorageFull")
+
+
+def disk_full_error(err: BaseException, path: Path | str) -> DiskFullError | None:
+    """The one-line `DiskFullError` for `err` when it means the disk (or quota) is full, else None.
+
+    Recognizes an `OSError` with errno ENOSPC / EDQUOT anywhere in the exception's chain, and the messages
+    torch and safetensors raise when a save runs out of space, including inside a Ray worker's traceback.
+
+    Args:
+        err: the exception a write raised (a worker's, through `ray.get`, included).
+        path: the file or directory being written, named in the message.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            return DiskFullError(f"no space left on device writing {path}")
+        if any(message in str(cause) for message in DISK_FULL_MESSAGES):
+            return DiskFullError(f"no space left on device writing {path}")
+        cause = cause.__cause__ or cause.__context__ or getattr(cause, "cause", None)
+    return None
+
+
+@contextlib.contextmanager
+def disk_full_as_error(path: Path | str) -> Iterator[None]:
+    """Turn an exception of the block that means a full disk (see `disk_full_error`) into the one-line
+    `DiskFullError` naming `path`; any other exception passes unchanged.
+
+    Wrap a worker call too: `with disk_full_as_error(checkpoint): actor.call("save", ...)`.
+    """
+    try:
+        yield
+    except Exception as err:
+        full = disk_full_error(err, path)
+        if full is None:
+            raise
+        raise full from err
+
+
+def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Append `records` to a JSONL file as one write(2) of complete lines on an O_APPEND descriptor.
+
+    A crash leaves either all of them or none (at worst a torn last line, which readers drop). A disk that
+    fills up mid-write has its partial bytes cut off again before `DiskFullError` is raised. No records:
+    only creates the file.
+    """
+    data = "".join(json.dumps(record) + "\n" for record in records).encode()
+    with disk_full_as_error(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, data)
+            if written < len(data):  # a regular file writes short only when the disk filled up mid-write
+                os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_END) - written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        finally:
+            os.close(fd)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a JSONL file: a torn last line (no newline, or not JSON) is left out."""
+    return _parse_lines(path)[0] if path.is_file() else []
+
+
+def truncate_records(path: Path, last_step: int) -> int:
+    """Keep the records of steps <= `last_step` (the checkpoint a run resumes from); drop later ones, which
+    will run again, and any torn or unreadable line. Rewrites the file atomically when anything goes.
+
+    Returns:
+        How many lines were dropped (0 when the file is absent or already clean).
+    """
+    if not path.is_file():
+        return 0
+    records, bad_lines = _parse_lines(path)
+    kept = [record for record in records if record.get("step", 0) <= last_step]
+    dropped = bad_lines + len(records) - len(kept)
+    if dropped:
+        write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
+    return dropped
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers (and a later crash) see the old file or the new one, never a
+    part: write a temporary sibling, fsync it, rename it over `path`."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with disk_full_as_error(path):
+        try:
+            with temporary.open("w") as out:
+                out.write(text)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+
+def _parse_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(the JSON-object lines of a JSONL file, how many other lines it has: torn or unreadable ones)."""
+    records, bad_lines = [], 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif line.strip():
+            bad_lines += 1
+    return records, bad_lines

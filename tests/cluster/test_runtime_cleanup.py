@@ -1,0 +1,108 @@
+"""No Ray process of a run outlives its driver: kill -9, or SIGTERM through `StopSignals` and `stop_ray`."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollflow.cluster.runtime import _start_time, session_processes
+
+DRIVER = """
+import os, time
+import ray
+from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.pipelines.interrupts import Interrupted, StopSignals
+
+@ray.remote(num_cpus=0)
+class Sleeper:
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+try:
+    with StopSignals():
+        try:
+            start_ray(num_cpus=1)
+            sleeper = Sleeper.remote()
+            actor_pid = ray.get(sleeper.sleep.remote(0))
+            print(ray._private.worker._global_node.get_session_dir_path(), actor_pid, flush=True)
+            ray.get(sleeper.sleep.remote(300))  # a driver waiting on its workers
+        finally:
+            stop_ray()
+            print("stopped", flush=True)
+except Interrupted as interrupted:
+    print(f"interrupted by {interrupted.signal_name}", flush=True)
+"""
+
+
+def _start_driver():
+    """The driver, its Ray session directory, and the session's processes: {pid: start time}."""
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    session_dir, actor_pid = driver.stdout.readline().split()
+    processes = session_processes(session_dir, exclude={driver.pid})
+    commands = " ".join(processes.values())
+    assert int(actor_pid) in processes and "raylet" in commands and "gcs_server" in commands, processes
+    return driver, session_dir, {pid: _start_time(pid) for pid in processes}
+
+
+def _assert_all_gone(session_dir, started, within_s=15.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = {pid for pid, ticks in started.items() if _start_time(pid) == ticks}
+        left = session_processes(session_dir)
+        if not alive and not left:
+            return
+        time.sleep(0.25)
+    pytest.fail(f"still running {within_s}s after the driver ended: {alive} {left}")
+
+
+def test_kill_9_of_the_driver_leaves_no_ray_process():
+    driver, session_dir, started = _start_driver()
+    driver.kill()  # SIGKILL: no finally, no atexit; only the reaper is left to clean up
+    driver.wait(10)
+    _assert_all_gone(session_dir, started)
+
+
+def test_sigterm_stops_ray_through_stop_signals():
+    driver, session_dir, started = _start_driver()
+    os.kill(driver.pid, signal.SIGTERM)  # StopSignals' handler wins over the one ray.init installs
+    out, _ = driver.communicate(timeout=60)
+    assert out.splitlines() == ["stopped", "interrupted by SIGTERM"]
+    assert driver.returncode == 0
+    _assert_all_gone(session_dir, started, within_s=1.0)  # stop_ray returned only once all were gone
+
+
+HOLD_FILE = "import sys, time; log = open(sys.argv[1], sys.argv[2]); print('ready', flush=True); time.sleep(60)"
+IGNORE_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                  "time.sleep(60)")
+
+
+def _spawn(*args):
+    process = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_a_session_process_is_one_writing_under_the_session_dir(tmp_path):
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "worker.out"
+    writer, reader = _spawn(HOLD_FILE, str(log), "a"), _spawn(HOLD_FILE, str(log), "r")  # reader: `tail -f`
+    try:
+        assert set(session_processes(str(tmp_path))) == {writer.pid}
+    finally:
+        for process in (writer, reader):
+            process.kill()
+            process.wait()
+
+
+def test_end_processes_kills_what_ignores_sigterm():
+    from rollflow.cluster.runtime import end_processes
+
+    stubborn = _spawn(IGNORE_SIGTERM)
+    started = time.monotonic()
+    assert end_processes({stubborn.pid: "stubborn"}, grace_s=0.5) == {stubborn.pid: "stubborn"}
+    assert stubborn.wait(5) == -signal.SIGKILL
+    assert time.monotonic() - started < 5
