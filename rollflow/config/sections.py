@@ -404,8 +404,10 @@ class RunConfigBase(Strict):
                     "(`rollflow.data.seeds.derive_seed`).")
     resume: bool = Field(
         default=False,
-        description="Continue from the newest complete `checkpoints/step_N` of the run directory. Otherwise "
-                    "(or with nothing to resume) the run starts afresh, with new metric and sample logs.")
+        description="Continue from the newest complete `checkpoints/step_N` of the run directory (an error "
+                    "when there is none); the metric and sample logs are cut back to that step. Otherwise the "
+                    "run starts afresh, and a run directory holding an earlier run is moved aside to "
+                    "`NAME.1` (`NAME.2`, ...).")
     model: ModelConfig = Field(default=ModelConfig(), description="The model to train.")
     data: DataConfig = Field(default=DataConfig(), description="The prompt datasets and how prompts are "
                                                                "read.")

@@ -212,7 +212,7 @@ class HFEngine:
             pending.outputs = [CompletionOutput(finish_reason="abort")
                                for _ in range(pending.request.params.n)]
             pending.unfinished = pending.request.params.n
-        state = _WaveState.build(rows, self.eos_ids, self.device)
+        state = _WaveState.build(rows, self.eos_ids, self.device, self.generator)
 
         # One prefill per request, not per sample: the n rows of a request share their prompt's KV cache.
         prompts = [p.request.prompt_ids for p in wave]
@@ -232,7 +232,7 @@ class HFEngine:
             active_rows = int(state.active.sum())
             if not active_rows:
                 break
-            tokens, logprobs = self._sample(logits, state)  # [B], [B]
+            tokens, logprobs = self._sample(logits, state, step)  # [B], [B]
             state.versions.append(self._lifecycle.version)
             state.tokens[state.origin, step] = tokens
             state.logprobs[state.origin, step] = logprobs
@@ -277,10 +277,12 @@ class HFEngine:
         return torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, slot))
 
     @torch.no_grad()
-    def _sample(self, logits: torch.Tensor, state: _WaveState) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, state: _WaveState, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per batch row. Returns ([B] tokens, [B] logprobs of those tokens).
 
         Logprobs are log-softmax(logits / temperature) before top-k / top-p (temperature 1 when greedy).
+        In a batch with seeded rows every row samples by inverse CDF from its own pre-drawn uniform for this
+        position (`_WaveState.uniforms`), so a seeded row's draw depends on nothing else in the batch.
         """
         scaled = logits / state.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
         log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
@@ -294,9 +296,10 @@ class HFEngine:
                 probs = torch.softmax(_filter_top_k_top_p(scaled, [row.params for row in state.rows]), dim=-1)
             else:
                 probs = log_probs.exp()  # [B, V]
-            if state.any_seeded:  # a seeded row draws from its own generator, whatever else is in the batch
-                draws = torch.stack([torch.multinomial(probs[i], 1, generator=row.generator or self.generator)
-                                     .squeeze(0) for i, row in enumerate(state.rows)])
+            if state.any_seeded:  # inverse CDF: the first token whose cumulative probability exceeds u
+                cdf = probs.cumsum(-1)  # [B, V]
+                u = state.uniforms[state.origin, step].unsqueeze(1) * cdf[:, -1:]  # [B, 1], below the total
+                draws = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)  # [B]
             else:
                 draws = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]
             tokens = torch.where(state.greedy, tokens, draws)
@@ -354,9 +357,11 @@ class _WaveState:
     all_greedy: bool = False
     needs_filter: bool = False
     any_seeded: bool = False
+    uniforms: torch.Tensor | None = None  # [N, T] sampling uniforms when a row is seeded
 
     @classmethod
-    def build(cls, rows: list[_Row], eos_ids: list[int], device: torch.device) -> _WaveState:
+    def build(cls, rows: list[_Row], eos_ids: list[int], device: torch.device,
+              engine_generator: torch.Generator | None = None) -> _WaveState:
         for index, row in enumerate(rows):
             row.index = index
         stops = [sorted(set(eos_ids) | set(row.params.stop_token_ids)) for row in rows]
@@ -373,6 +378,9 @@ class _WaveState:
                     tokens=torch.zeros(len(rows), width, dtype=torch.long, device=device),
                     logprobs=torch.zeros(len(rows), width, device=device))
         state.refresh_flags()
+        if state.any_seeded:  # [N, T] one uniform per position, from the row's generator (the engine's if unseeded)
+            state.uniforms = torch.stack([torch.rand(width, generator=row.generator or engine_generator,
+                                                     device=device) for row in rows])
         return state
 
     def refresh_flags(self) -> None:

@@ -1,5 +1,6 @@
 """Every failure ends the run with one line, in bounded time, and leaves the last checkpoint usable: weights
-that training made non-finite, an engine whose decoding fails, a worker killed mid-run."""
+that training made non-finite, an engine whose decoding fails, a worker killed mid-run, a reward that fails on
+every row. A reward that hangs on some rows costs those samples `reward.timeout_s`, never the run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollflow.config import load_config
-from rollflow.errors import EngineError, NonFiniteError, RollflowError
+from rollflow.errors import EngineError, NonFiniteError, RollflowError, StepFailedError
 from rollflow.models import resolve_model_path
 from rollflow.pipelines.rlvr import run_rlvr
 
@@ -187,3 +188,42 @@ def test_a_killed_engine_worker_ends_the_run_in_one_line_and_the_checkpoint_resu
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert (run_dir / "checkpoints" / f"step_{last + 1}" / "driver_state.json").exists()
+
+
+REWARDS = """
+import time
+
+def always_fails(completion, **row):
+    raise RuntimeError("this reward is broken")
+
+def hangs_on_odd_sums(completion, **row):
+    if int(row["answer"]) % 2:
+        time.sleep(3600)
+    return float(completion.strip() == str(row["answer"]))
+"""
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_session, tmp_path, rewards_module):
+    config = load_config(None, [*SMALL, "reward.functions=[{name: 'user_rewards:always_fails'}]", "data.eval=null",
+                                "name=broken", f"output.dir={tmp_path}"])
+    message = _assert_one_line(_run_until_it_fails(config), StepFailedError)
+    assert message == "step 1: all 16 samples failed; the first failed with: RuntimeError: this reward is broken"
+    assert not (config.run_dir / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_a_reward_that_hangs_on_some_rows_fails_only_those_samples(ray_session, tmp_path, rewards_module):
+    config = load_config(None, [*SMALL, "train.steps=2", "reward.functions=[{name: 'user_rewards:hangs_on_odd_sums'}]",
+                                "reward.timeout_s=1", "output.samples_logged_per_step=16", "name=hangs",
+                                f"output.dir={tmp_path}"])
+    assert _run_until_it_fails(config) is None  # each hung call costs 1 s on one of 4 threads, not forever
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    samples = [json.loads(line) for line in (config.run_dir / "samples.jsonl").read_text().splitlines()]
+    failed = [s for s in samples if s["status"] == "failed"]
+    assert failed and all("timed out after 1 s (reward.timeout_s)" in s["error"] for s in failed)

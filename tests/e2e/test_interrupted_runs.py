@@ -1,0 +1,78 @@
+"""An interrupted run through the real CLI: Ctrl-C saves the last finished step, leaves no Ray process, and
+resume continues from it without a duplicate step. (`kill -9` of the driver: tests/e2e/test_reproducible.py
+and tests/cluster/test_runtime_cleanup.py.)"""
+
+from __future__ import annotations
+
+import glob
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollflow.cluster.runtime import session_processes
+
+pytestmark = pytest.mark.slow
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+FAST = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
+        "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]", "checks.logprob_parity_samples=0"]
+
+
+def _start(tmp_path, *overrides):
+    return subprocess.Popen([sys.executable, "-m", "rollflow.cli", "train", QUICKSTART, *FAST,
+                             "name=run", f"output.dir={tmp_path}", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and step in _steps(path):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"step {step} never logged")
+
+
+def _ray_left(driver_pid: int) -> dict[int, str]:
+    """Processes of the Ray session the driver started (Ray names its session dir after the driver's pid)."""
+    left = {}
+    for session in glob.glob(f"/tmp/ray/session_*_{driver_pid}"):
+        left.update(session_processes(session))
+    return left
+
+
+def _assert_no_ray_left(driver_pid: int, within_s: float = 15) -> None:
+    deadline = time.monotonic() + within_s
+    while _ray_left(driver_pid) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not _ray_left(driver_pid)
+
+
+def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    driver = _start(tmp_path, "train.steps=20")
+    _wait_for_step(run_dir, 2)
+    driver.send_signal(signal.SIGINT)
+    out, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130, out[-2000:] + err[-3000:]
+    assert "rollflow: interrupted (SIGINT)" in err
+    last = _steps(run_dir / "metrics.jsonl")[-1]
+    assert f"saving step {last}" in out
+    assert json.loads((run_dir / "checkpoints" / f"step_{last}" / "driver_state.json").read_text())["step"] == last
+    _assert_no_ray_left(driver.pid)
+
+    resumed = _start(tmp_path, f"train.steps={last + 1}", "resume=true")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-2000:] + err[-3000:]
+    assert _steps(run_dir / "metrics.jsonl") == list(range(last + 2))  # 0 (initial eval) .. last + 1, once each
+    _assert_no_ray_left(resumed.pid)
