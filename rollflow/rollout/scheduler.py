@@ -123,7 +123,7 @@ class RolloutScheduler:
             polling = any(group.pending.plain_pending for group in scoring)  # thread futures: poll them
             wait_s = 0.005 if polling else max(0.0, self.watchdog_s - (time.monotonic() - last_progress))
             done = ray.wait(pending, num_returns=1, timeout=wait_s)[0] if pending else []
-            if not pending:
+            if not pending and polling:  # only pool futures left: poll them (with none, the groups finish below)
                 time.sleep(wait_s)
             elif done:  # take every other finished one too
                 done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)

@@ -117,3 +117,42 @@ def test_a_dead_engine_worker_is_one_line(ray_session):
     killer.start()
     with pytest.raises(WorkerDiedError, match=r"^actor_infer worker 0 died during generate"):
         scheduler.generate([EncodedPrompt({"answer": 0}, "p", [1])], SamplingParams(n=1))
+
+
+class _PoolFinishesBetweenChecks:
+    """A group reward whose plain rewards finish right after the scheduler first looks at them (the reward
+    pool's threads run concurrently with the scheduling loop)."""
+
+    class _Pending:
+        futures: list = []
+
+        def __init__(self):
+            self.checks = 0
+
+        @property
+        def plain_pending(self) -> bool:
+            self.checks += 1
+            return self.checks == 1
+
+        def finish(self, results):
+            return [(1.0, {"answer": 1.0})]
+
+    def submit_group(self, texts, rows):
+        return self._Pending()
+
+
+class _Instant:
+    async def generate(self, request):
+        return Completion(request.request_id, [CompletionOutput([5], [-0.1], [0], "stop")], {})
+
+
+def test_rewards_finishing_between_checks_never_put_the_loop_to_sleep(ray_session):
+    """Regression: when the last group's pool rewards completed between the loop's two looks at them, the
+    loop slept for the whole watchdog period (the quickstart's eval stalled 15 minutes at step 20)."""
+    worker = ray.remote(num_cpus=0)(_Instant).remote()
+    scheduler = RolloutScheduler([worker], _PoolFinishesBetweenChecks(), decode=str, watchdog_s=30.0)
+    started = time.monotonic()
+    result = scheduler.generate([EncodedPrompt({"answer": 1}, "p", [1])], SamplingParams(n=1))
+    assert time.monotonic() - started < 5
+    assert [s.reward for s in result.samples] == [1.0]
+    ray.kill(worker)
