@@ -4,7 +4,7 @@ Order used by the pipelines (ROLL's, minus its bugs):
 
     keep = difficulty_mask(...) ; mask = overlong_filter_mask(mask, truncated)        # which samples train
     rewards += overlong_reward_penalty(lengths, ...)                                  # DAPO soft punishment
-    rewards = clip_rewards(normalize_rewards(rewards, group_ids, ...), clip)
+    rewards = clip_rewards(normalize_rewards(rewards, group_ids, ...), clip)          # or ..._by_domain
     token_rewards = -beta * kl_penalty(logprobs, ref_logprobs, "k1") * mask           # beta from a KL controller
     advantages, returns, _ = ADVANTAGE_ESTIMATORS[name](AdvantageInputs(...))
     advantages = clip_advantages(whiten(advantages, mask) if whiten_advantages else advantages, clip)
@@ -15,7 +15,9 @@ All functions are pure except `RunningMoments.update`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from rollflow.algorithms.reductions import batch_std, group_mean, group_std, masked_mean, masked_var
@@ -112,6 +114,41 @@ def normalize_rewards(
     elif std_mode == "running":
         rewards = rewards / (running_stats.std + epsilon)
     return rewards
+
+
+def normalize_rewards_by_domain(
+    rewards: Tensor,
+    group_ids: Tensor,
+    domain_ids: Tensor,
+    mean_mode: str = "none",
+    std_mode: str = "none",
+    running_stats: Sequence[RunningMoments] | None = None,
+    epsilon: float = 1e-6,
+    unbiased_std: bool = True,
+) -> Tensor:
+    """`normalize_rewards` within each domain: a sample's "batch" statistics are those of its domain's samples
+    in the batch, its "running" statistics its domain's own `running_stats[d]`. "group" is unchanged (a
+    group is one prompt, so one domain). With one domain this is `normalize_rewards`.
+
+    Args:
+        rewards: [B] float.
+        group_ids: [B] long.
+        domain_ids: [B] long, each sample's domain, an index into `running_stats`.
+        mean_mode, std_mode, epsilon, unbiased_std: as `normalize_rewards`.
+        running_stats: one `RunningMoments` per domain id, required when either mode is "running"; each is
+            updated in place with its domain's rewards (a domain with no sample in the batch is left alone).
+
+    Returns:
+        [B] normalized rewards.
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    normalized = torch.empty_like(rewards)  # [B]
+    for domain in domain_ids.unique().tolist():
+        rows = domain_ids == domain  # [B] bool
+        stats = running_stats[domain] if running_stats is not None else None
+        normalized[rows] = normalize_rewards(rewards[rows], group_ids[rows], mean_mode, std_mode, stats,
+                                             epsilon, unbiased_std)  # [B_d]
+    return normalized
 
 
 def clip_rewards(rewards: Tensor, clip: float | None) -> Tensor:

@@ -6,8 +6,9 @@ that every field has one and that the committed file is what `render_config_refe
 
 Layout: a fixed introduction, the pipelines, then the keys of `RunConfigBase` (every pipeline has them), then
 each pipeline's own sections. Each section is one table of dotted keys, recursing into nested sections
-(`data.eval.limit`) and into the items of a list of sections (`reward.functions[].name`); a section made only
-of sections (`roles`) gets one table per sub-section.
+(`data.eval.limit`), into the items of a list of sections (`reward.functions[].name`) and into the values of a
+mapping of names to sections (`data.domains.<name>.share`); a section made only of sections (`roles`) gets
+one table per sub-section.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ their registries at load time.
 
 Reading the tables: a key is its dotted path from the top of the file. `int > 0` and `float in [0, 1)` are
 numbers with bounds, `"a" | "b"` one of those strings, `null` YAML's null, `section` a mapping of the keys
-listed under it, `list[section]` a list of such mappings (the keys of each item written `key[].name`).
+listed under it, `list[section]` a list of such mappings (the keys of each item written `key[].name`),
+`dict[str, section]` a mapping of names you choose to such mappings (their keys written `key.<name>.field`).
 Defaults are written as YAML; the keys of a section whose default is `null` show the defaults they take once
 the section is set.
 """
@@ -159,10 +161,9 @@ def _rows(key: str, field: FieldInfo, value: Any) -> list[Row]:
         return [row]
     if isinstance(value, BaseModel):
         row = row._replace(default=_yaml(_changed(value)))
-    else:  # null, or a list of sections: the keys under it show their own defaults
+    else:  # null, or a list or mapping of sections: the keys under it show their own defaults
         value = None
-    if _is_list_of_sections(field.annotation):
-        key += "[]"
+    key = _item_key(key, field.annotation)
     children = []
     for name, sub in model.model_fields.items():
         children += _rows(f"{key}.{name}", sub, _default(sub) if value is None else getattr(value, name))
@@ -195,9 +196,12 @@ def _is_section(annotation: Any) -> bool:
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The model of a section, an optional section, or a list of sections; None for any other type."""
+    """The model of a section, an optional section, or a list or mapping (of lists) of sections; None for any
+    other type."""
     if _is_section(annotation):
         return annotation
+    if get_origin(annotation) is dict:
+        return _section_model(get_args(annotation)[1])
     if get_origin(annotation) is list or _is_union(annotation):
         for arg in get_args(annotation):
             model = _section_model(arg)
@@ -206,11 +210,17 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _is_list_of_sections(annotation: Any) -> bool:
-    """`list[Section]`, or `list[Section] | None`."""
+def _item_key(key: str, annotation: Any) -> str:
+    """The key the fields of `annotation`'s sections hang from: `key` for a section, `key[]` for a list of
+    sections, `key.<name>` for a mapping of names to sections (`key.<name>[]` to lists of them)."""
     if _is_union(annotation):
-        return any(_is_list_of_sections(arg) for arg in get_args(annotation))
-    return get_origin(annotation) is list and _section_model(annotation) is not None
+        sections = [arg for arg in get_args(annotation) if _section_model(arg) is not None]
+        return _item_key(key, sections[0]) if sections else key
+    if get_origin(annotation) is dict:
+        return _item_key(f"{key}.<name>", get_args(annotation)[1])
+    if get_origin(annotation) is list:
+        return _item_key(f"{key}[]", get_args(annotation)[0])
+    return key
 
 
 def _is_union(annotation: Any) -> bool:

@@ -42,11 +42,45 @@ class RolloutConfig(Strict):
                     "in a fixed order, so batch composition (and so every float) does not depend on timing. "
                     "Two runs with the same seed and config then log the same metrics. `false` routes each "
                     "prompt group to the least-loaded worker as it frees up (faster with several engine "
-                    "workers of uneven speed), at the cost of run-to-run differences.")
+                    "workers of uneven speed), at the cost of run-to-run differences. Asynchronous "
+                    "(`max_staleness > 0`) and over-provisioned (`overprovision > 1`) rollouts depend on timing by "
+                    "nature: their seeds stay fixed per prompt, their batches do not.")
+    max_staleness: int = Field(
+        default=0, ge=0,
+        description="Asynchronous training (ROLL Flash): the engines keep generating while the trainer trains, "
+                    "at most this many policy versions ahead; a sample whose oldest token is older is dropped "
+                    "(`rollout/groups/stale`). 0: synchronous steps. Needs `actor_infer` on devices disjoint from "
+                    "the trainer's (`device_mapping`), and turns on `algorithm.train_infer_correction` unless set.")
+    partial_rollout: Literal["continue", "resubmit"] = Field(
+        default="continue",
+        description="Asynchronous mode, when new weights reach the engines mid-generation: `continue` (the "
+                    "running samples go on with the new weights from the next token; each token records its "
+                    "version) or `resubmit` (abort them and send each unfinished sample again as prompt + its "
+                    "tokens so far, kept with their logprobs and versions: for engines that cannot swap weights "
+                    "under a running request).")
+    max_refill_prompts: int | None = Field(
+        default=None, ge=0,
+        description="Dynamic sampling (DAPO): a group dropped by `algorithm.difficulty_mask`, whose samples all "
+                    "failed, or that went stale is replaced by a new prompt, at most this many per step; then "
+                    "the step trains on what it has (`rollout/refill_bound_hit`). `null`: `prompts_per_step`; "
+                    "0: no refills (the batch shrinks).")
+    overprovision: float = Field(
+        default=1.0, ge=1.0,
+        description="Tail batching (RollPacker): a synchronous step launches ceil(overprovision x "
+                    "prompts_per_step) groups, trains on the first `prompts_per_step` that finish and aborts the "
+                    "rest; their prompts wait for a long round. 1: off.")
+    long_round_every: int = Field(
+        default=0, ge=0,
+        description="With `overprovision > 1`: every N-th step runs the aborted prompts to the end (a long "
+                    "round); 0: a long round once `prompts_per_step` aborted prompts wait.")
 
     @property
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def refill_bound(self) -> int:
+        return self.prompts_per_step if self.max_refill_prompts is None else self.max_refill_prompts
 
 
 class RewardFunctionConfig(Strict):
@@ -70,19 +104,45 @@ class RewardConfig(Strict):
         default=4, gt=0,
         description="Threads that run plain reward functions off the driver's scheduling loop, so a slow "
                     "reward never stalls generation.")
+    domains: dict[str, list[RewardFunctionConfig]] | None = Field(
+        default=None,
+        description="With `data.domains`: a domain's own reward functions, by domain name, used for its "
+                    "prompts instead of `functions` (the same rules: at least one, each name once). Domains "
+                    "not listed use `functions`. Each reward is still logged as `rollout/reward/NAME`, "
+                    "averaged over the samples of the domains that use it. `null`: every domain uses "
+                    "`functions`.")
 
     @field_validator("functions")
     @classmethod
     def _distinct_names(cls, functions: list[RewardFunctionConfig]) -> list[RewardFunctionConfig]:
         """What `rollflow.rewards.combine_rewards` would refuse at run time, refused at load time."""
-        if not functions:
-            raise ValueError("a run needs at least one reward function")
-        names = [function.name for function in functions]
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
-            raise ValueError(f"each reward may appear once (its name keys its logged value); repeated: "
-                             f"{', '.join(repeated)}")
-        return functions
+        return _checked_functions(functions)
+
+    @field_validator("domains")
+    @classmethod
+    def _each_domain_distinct_names(cls, domains: dict[str, list[RewardFunctionConfig]] | None
+                                    ) -> dict[str, list[RewardFunctionConfig]] | None:
+        for name, functions in (domains or {}).items():
+            try:
+                _checked_functions(functions)
+            except ValueError as error:
+                raise ValueError(f"domain {name!r}: {error}") from None
+        return domains
+
+    def functions_of(self, domain: str | None) -> list[RewardFunctionConfig]:
+        """The reward functions of `domain`'s prompts: its own (`domains`), else `functions`."""
+        return (self.domains or {}).get(domain, self.functions) if domain is not None else self.functions
+
+
+def _checked_functions(functions: list[RewardFunctionConfig]) -> list[RewardFunctionConfig]:
+    if not functions:
+        raise ValueError("a run needs at least one reward function")
+    names = [function.name for function in functions]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each reward may appear once (its name keys its logged value); repeated: "
+                         f"{', '.join(repeated)}")
+    return functions
 
 
 NormalizationMode = Literal["none", "batch", "group", "running"]
@@ -163,6 +223,12 @@ class AlgorithmConfig(Strict):
                     "`running` (moments kept across steps and in checkpoints).")
     reward_norm_std: NormalizationMode = Field(
         default="none", description="Scope of the std the scalar reward is divided by (same choices).")
+    reward_norm_by_domain: bool = Field(
+        default=False,
+        description="Take the `batch` and `running` moments of the reward normalization per domain (a "
+                    "sample's `domain`: its `data.domains` name), running moments kept per domain (and in "
+                    "checkpoints), so a domain whose rewards run high does not shift another's. `group` is "
+                    "within one domain anyway.")
     reward_clip: float | None = Field(
         default=None, gt=0, description="Clamp rewards to `[-clip, clip]` after normalizing; `null`: off.")
     overlong_buffer: int | None = Field(
@@ -239,6 +305,10 @@ class AlgorithmConfig(Strict):
         if self.kl_reward_controller == "adaptive" and self.kl_reward_coef == 0:
             raise ValueError("kl_reward_controller: adaptive needs kl_reward_coef > 0 "
                              "(the initial coefficient)")
+        scopes = {self.reward_norm_mean, self.reward_norm_std}
+        if self.reward_norm_by_domain and not {"batch", "running"} & scopes:
+            raise ValueError("reward_norm_by_domain needs reward_norm_mean or reward_norm_std to be batch or "
+                             "running (the scopes it splits by domain)")
         return self
 
     @property
@@ -308,6 +378,56 @@ class RLVRConfig(RunConfigBase):
                 "its prompt, but rollout.samples_per_prompt is 1: every advantage would be 0 and the policy "
                 "would learn nothing from the reward; set rollout.samples_per_prompt >= 2, or use an "
                 "estimator without groups (reinforce, reinforce_pp, gae)")
+        return self
+
+    @model_validator(mode="after")
+    def _domains_fit_the_run(self) -> RLVRConfig:
+        domains, reward_domains = self.data.domains, self.reward.domains
+        if reward_domains is not None and domains is None:
+            raise ValueError("reward.domains gives domains their own rewards, but there are no domains: set "
+                             "data.domains, or move the functions to reward.functions")
+        unknown = sorted(set(reward_domains or {}) - set(domains or {}))
+        if unknown:
+            raise ValueError(f"reward.domains names {', '.join(map(repr, unknown))}, not a domain of "
+                             f"data.domains (its domains: {', '.join(domains)})")
+        prompts = self.rollout.prompts_per_step
+        for name, share in self.data.domain_shares().items():
+            if share * prompts < 1:
+                raise ValueError(
+                    f"data.domains.{name} gets {float(share * prompts):.3g} prompts per step (share "
+                    f"{float(share):.3g} of rollout.prompts_per_step {prompts}); every domain needs at least "
+                    "1: raise its share or rollout.prompts_per_step")
+        return self
+
+    @model_validator(mode="after")
+    def _domain_lengths_fit(self) -> RLVRConfig:
+        for name, domain in (self.data.domains or {}).items():
+            limit = domain.max_new_tokens or self.rollout.max_new_tokens
+            if limit > self.rollout.max_new_tokens or domain.min_new_tokens > limit:
+                raise ValueError(
+                    f"data.domains.{name}: need min_new_tokens ({domain.min_new_tokens}) <= max_new_tokens "
+                    f"({limit}) <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _asynchronous_rollout_fits(self) -> RLVRConfig:
+        """Asynchronous training runs the engines while the trainer trains: they cannot share devices. Its
+        samples are off-policy: the train-inference correction (TIS) is on unless the config sets it."""
+        if not self.rollout.max_staleness:
+            return self
+        roles = self.roles
+        trainer_side = ["actor_train"] + ["reference"] * self.algorithm.needs_reference \
+            + ["critic"] * self.algorithm.needs_critic
+        engines = roles.actor_infer.device_mapping
+        for role in trainer_side:
+            mapping = roles.of(role).device_mapping
+            if engines is None or mapping is None or set(engines) & set(mapping):
+                raise ValueError(
+                    f"rollout.max_staleness > 0 (asynchronous training) runs the engines while {role} trains, so "
+                    f"they need disjoint devices; set roles.actor_infer.device_mapping and "
+                    f"roles.{role}.device_mapping to different devices (e.g. [1] and [0]), or max_staleness: 0")
+        if "train_infer_correction" not in self.algorithm.model_fields_set:
+            self.algorithm.train_infer_correction = TrainInferCorrectionConfig()
         return self
 
     @model_validator(mode="after")

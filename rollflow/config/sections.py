@@ -8,7 +8,9 @@ carries a `description`: `rollflow.config.reference` renders them into docs/conf
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -23,6 +25,9 @@ from rollflow.errors import RollflowError
 BUNDLED_MODEL = "tiny"  # `model.path: tiny` loads the model shipped in rollflow/assets/
 SEED_LIMIT = 2**64  # torch's generators take a seed in [0, 2**64); a larger one overflows inside a worker
 MAX_NAME_LENGTH = 100
+# A domain's name becomes part of metric names (`reward/NAME`, `rollout/NAME/samples`, `eval/NAME/accuracy`).
+DOMAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+RESERVED_DOMAIN_NAMES = ("mean", "std", "reward")  # taken: `reward/mean`, `reward/std`, `rollout/reward/NAME`
 
 
 def _leaf_annotations(annotation: Any) -> list[Any]:
@@ -68,7 +73,8 @@ class DatasetConfig(Strict):
 
     task: str | None = Field(
         default=None,
-        description="A built-in synthetic task, e.g. `add2` (two-digit addition). Set this or `path`.")
+        description="A built-in synthetic task: `add2` (two-digit addition) or `sum3` (three one-digit "
+                    "numbers). Set this or `path`.")
     split: Literal["train", "eval"] = Field(
         default="train",
         description="Which split of the synthetic `task`: its training rows or its held-out `eval` rows (the "
@@ -86,13 +92,49 @@ class DatasetConfig(Strict):
         return self
 
 
-class DataConfig(Strict):
+class DomainConfig(Strict):
+    """One domain of a multi-domain run (`data.domains`): its prompts, its eval set, its share of each step."""
+
     train: DatasetConfig = Field(
+        description="The domain's training prompts: `{task: NAME}` or `{path: FILE.jsonl}`, as `data.train`.")
+    eval: DatasetConfig | None = Field(
+        default=None,
+        description="The domain's eval prompts, as `data.eval`, logged as `eval/NAME/accuracy`; `null`: the "
+                    "domain is not evaluated.")
+    share: float = Field(
+        default=1.0, gt=0,
+        description="The domain's share of each step's prompts, relative to the other domains' shares: they "
+                    "are normalized to sum to 1 (`{a: 1, b: 3}` gives a 25% and b 75%). Each domain must get at "
+                    "least one prompt a step: normalized share × `rollout.prompts_per_step` >= 1.")
+    max_new_tokens: int | None = Field(
+        default=None, gt=0,
+        description="The domain's own response length limit (at most `rollout.max_new_tokens`, which stays the "
+                    "limit the context check and overlong shaping use); `null`: `rollout.max_new_tokens`.")
+    min_new_tokens: int = Field(
+        default=0, ge=0,
+        description="The domain's responses cannot stop (EOS) before this many tokens (vLLM's `min_tokens`); "
+                    "0: off.")
+
+
+class DataConfig(Strict):
+    train: DatasetConfig | None = Field(
         default=DatasetConfig(task="add2", split="train"),
-        description="The training prompts: `{task: NAME}` (built-in synthetic data) or `{path: FILE.jsonl}`.")
+        description="The training prompts: `{task: NAME}` (built-in synthetic data) or `{path: FILE.jsonl}`. "
+                    "`null` when `data.domains` is set (leave both `train` and `eval` unset then).")
     eval: DatasetConfig | None = Field(
         default=DatasetConfig(task="add2", split="eval", limit=200),
-        description="The prompts of the greedy eval (see `eval`), in the same form; `null` disables eval.")
+        description="The prompts of the greedy eval (see `eval`), in the same form; `null` disables eval. With "
+                    "`data.domains`, each domain's `eval` instead.")
+    domains: dict[str, DomainConfig] | None = Field(
+        default=None,
+        description="Train on several domains at once (math, code, rules, ...): name -> `{train, eval, "
+                    "share}`, set instead of `data.train` / `data.eval`. Every step draws each domain's share "
+                    "of `rollout.prompts_per_step` (a deterministic smooth weighted round-robin), each domain "
+                    "from its own shuffled epochs; its rows get the column `domain` = its name, which picks its "
+                    "rewards (`reward.domains`) and names its metrics (`reward/NAME`, "
+                    "`rollout/NAME/samples`, `eval/NAME/accuracy`). A name: a letter, then letters, digits or "
+                    "`_`, at most 64 characters, not `mean`, `std` or `reward`. `null`: one dataset, "
+                    "`data.train`.")
     prompt_key: str = Field(default="prompt", description="The column holding the user message.")
     answer_key: str = Field(
         default="answer",
@@ -109,6 +151,50 @@ class DataConfig(Strict):
         default=True,
         description="Reshuffle the training prompts every epoch (seeded by `seed`); `false` keeps the file's "
                     "order.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _domains_replace_train_and_eval(cls, data: Any) -> Any:
+        """With `domains`, `train` and `eval` are null. Left at their defaults they count as unset: a
+        `data.domains.x.share=2` override fills the rest of `data` from the defaults."""
+        if not isinstance(data, dict) or data.get("domains") is None:
+            return data
+        defaults = {key: cls.model_fields[key].default for key in ("train", "eval")}
+        also_set = [key for key, default in defaults.items()
+                    if data.get(key) is not None and not _is_default(default, data[key])]
+        if also_set:
+            raise ValueError(f"set either `domains` or `train` / `eval`, not both ({' and '.join(also_set)} "
+                             "set too); each domain has its own `train` and `eval` under data.domains")
+        return {**data, "train": None, "eval": None}
+
+    @field_validator("domains")
+    @classmethod
+    def _domain_names(cls, domains: dict[str, DomainConfig] | None) -> dict[str, DomainConfig] | None:
+        if domains is None:
+            return None
+        if not domains:
+            raise ValueError("no domains: name at least one, or set data.domains to null")
+        for name in domains:
+            if not DOMAIN_NAME.fullmatch(name):
+                raise ValueError(f"domain name {name!r}: a letter, then letters, digits or '_', at most 64 "
+                                 "characters (it becomes part of metric names)")
+            if name in RESERVED_DOMAIN_NAMES:
+                raise ValueError(f"domain name {name!r} is taken by a metric (reward/{name}); choose another")
+        return domains
+
+    @model_validator(mode="after")
+    def _some_training_data(self) -> DataConfig:
+        if self.train is None and self.domains is None:
+            raise ValueError("train is null: set data.train (one dataset) or data.domains (several)")
+        return self
+
+    def domain_shares(self) -> dict[str, Fraction]:
+        """Each domain's normalized share, exact: a share is read as the decimal it is written as, so shares
+        0.1, 0.2 and 0.7 are exactly 1/10, 1/5 and 7/10 (their floats sum to 1.0000000000000002). Empty
+        without `domains`."""
+        shares = {name: Fraction(repr(domain.share)) for name, domain in (self.domains or {}).items()}
+        total = sum(shares.values())
+        return {name: share / total for name, share in shares.items()}
 
 
 class TrainConfig(Strict):
@@ -475,6 +561,16 @@ def _control_characters(text: str) -> str:
     empty when it has none."""
     found = dict.fromkeys(c for c in text if unicodedata.category(c) == "Cc")
     return ", ".join(repr(c) for c in found)
+
+
+def _is_default(default: BaseModel | None, value: Any) -> bool:
+    """`value` (raw config, or a section) validates to `default`."""
+    if isinstance(value, BaseModel):
+        return value == default
+    try:
+        return type(default).model_validate(value) == default
+    except ValueError:  # pydantic's ValidationError: not the default, whatever it is
+        return False
 
 
 def _name_problem(name: str) -> str | None:

@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -146,19 +147,106 @@ class PromptSampler:
             random.Random(derive_seed(self.seed, "data_order", self.epoch)).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Any]:
-        batch = []
-        while len(batch) < self.batch_size:
+    def take(self, count: int) -> list[Any]:
+        """The next `count` rows, crossing into the next (reshuffled) epoch as needed.
+
+        Any sequence of `take`s hands out the same rows as one `take` of their total: a caller that refills
+        a dropped group with `take(1)` continues the same order.
+        """
+        rows = []
+        while len(rows) < count:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._epoch_order()
-            batch.append(self.rows[self._order[self.position]])
+            rows.append(self.rows[self._order[self.position]])
             self.position += 1
-        return batch
+        return rows
+
+    def next_batch(self) -> list[Any]:
+        """The next step's prompts: `take(batch_size)`."""
+        return self.take(self.batch_size)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state(self, state: dict[str, int]) -> None:
+        """Restore what `state` returned.
+
+        Raises:
+            DataError: a multi-domain run's state (the run's `data.domains` changed).
+        """
+        if "epoch" not in state:
+            domains = ", ".join(state.get("domains", {}))
+            raise DataError(f"the checkpoint's data position is of the domains {domains}, but this run has one "
+                            "dataset: resume with the data.domains it was saved with")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._epoch_order()
+
+
+class DomainSampler:
+    """Prompts of several domains mixed by share; the interface of `PromptSampler` (`take`, `next_batch`,
+    `state`, `load_state`, `batch_size`).
+
+    Each domain keeps its own `PromptSampler` (its own epochs and shuffles, seeded per domain). Which domain
+    the next prompt comes from is a smooth weighted round-robin over the shares: prompt `n` (counting from 0
+    over the whole run) comes from the domain furthest behind its quota, the one with the largest
+    `(n + 1) * share - taken`, the first such domain in `samplers`' order on a tie. So after any `n`
+    prompts every domain has had `n * share` of them, give or take less than one; when `share * P` is a whole
+    number for every domain, every run of `P` consecutive prompts holds exactly `share * P` of each, so each
+    `next_batch()` (and each `take(P)`, wherever it starts) does. The schedule depends only on how many
+    prompts each domain has given, which is what `state` keeps: resuming continues it exactly.
+
+    Args:
+        samplers: domain name -> its sampler.
+        shares: domain name -> its share, exact (`fractions.Fraction`) and summing to 1
+            (`rollflow.config.DataConfig.domain_shares`): with floats, `0.3 * 10` would not be a whole 3.
+        batch_size: prompts per `next_batch()`.
+    """
+
+    def __init__(self, samplers: dict[str, PromptSampler], shares: dict[str, Fraction], batch_size: int):
+        if set(samplers) != set(shares) or not samplers:
+            raise ValueError(f"samplers ({', '.join(samplers)}) and shares ({', '.join(shares)}) must name "
+                             "the same domains, at least one")
+        if sum(shares.values()) != 1 or min(shares.values()) <= 0:
+            raise ValueError(f"shares must be positive and sum to 1, got {shares}")
+        self.samplers, self.shares, self.batch_size = samplers, shares, batch_size
+        self.taken = dict.fromkeys(samplers, 0)  # prompts each domain has given so far
+
+    def next_domain(self) -> str:
+        """The domain the next prompt comes from (without taking it)."""
+        after = sum(self.taken.values()) + 1
+        behind = {name: after * self.shares[name] - self.taken[name] for name in self.samplers}
+        return max(behind, key=behind.__getitem__)  # max keeps the first of equals: ties go to the first
+
+    def take(self, count: int) -> list[Any]:
+        """The next `count` prompts of the schedule, each from its domain's sampler."""
+        rows = []
+        for _ in range(count):
+            domain = self.next_domain()
+            rows += self.samplers[domain].take(1)
+            self.taken[domain] += 1
+        return rows
+
+    def next_batch(self) -> list[Any]:
+        """The next step's prompts: `take(batch_size)`."""
+        return self.take(self.batch_size)
+
+    def state(self) -> dict[str, Any]:
+        """Each domain's data position and prompts given (JSON-serializable)."""
+        return {"domains": {name: {**sampler.state(), "taken": self.taken[name]}
+                            for name, sampler in self.samplers.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what `state` returned.
+
+        Raises:
+            DataError: the state holds other domains than this sampler (the run's `data.domains` changed).
+        """
+        saved = state.get("domains")
+        if not isinstance(saved, dict) or set(saved) != set(self.samplers):
+            found = ", ".join(saved) if isinstance(saved, dict) else "none (a single-dataset run)"
+            raise DataError(f"the checkpoint's data position is of the domains {found}, not of data.domains "
+                            f"({', '.join(self.samplers)}): resume with the domains it was saved with")
+        for name, sampler in self.samplers.items():
+            sampler.load_state(saved[name])
+            self.taken[name] = saved[name]["taken"]

@@ -97,6 +97,8 @@ class Batch:
         truncated: [B] bool, the response hit the length limit.
         prompt_length: P.
         extras: other [B] / [B, T] tensors added later (advantages, old_logprobs, ref_logprobs, values).
+        domain_ids: [B] long, each sample's domain as an index into `domain_names`; None: not known.
+        domain_names: the domains of the batch, sorted (the names of `domain_ids`).
     """
 
     input_ids: torch.Tensor
@@ -111,6 +113,8 @@ class Batch:
     truncated: torch.Tensor
     prompt_length: int
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    domain_ids: torch.Tensor | None = None
+    domain_names: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -139,7 +143,9 @@ class Batch:
             )
         }
         return Batch(**fields, prompt_length=self.prompt_length,
-                     extras={k: v[index] for k, v in self.extras.items()})
+                     extras={k: v[index] for k, v in self.extras.items()},
+                     domain_ids=None if self.domain_ids is None else self.domain_ids[index],
+                     domain_names=self.domain_names)
 
 
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
@@ -175,6 +181,7 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
         if sample.policy_versions:
             policy_versions[row, :n_response] = torch.tensor(sample.policy_versions)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T]
+    domain_names = tuple(sorted({s.domain for s in samples}))
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -187,4 +194,6 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
         response_lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
         truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool),
         prompt_length=prompt_width,
+        domain_ids=torch.tensor([domain_names.index(s.domain) for s in samples], dtype=torch.long),
+        domain_names=domain_names,
     )

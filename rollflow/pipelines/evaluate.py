@@ -19,11 +19,12 @@ from rollflow.workers.roles import running_roles
 
 
 def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
-    """Greedy accuracy and reward of `config.model` on `config.data.eval`; writes eval samples to the run dir."""
+    """Greedy accuracy and reward of `config.model` on `config.data.eval` (or every domain's `eval`, each also
+    as `eval/NAME/accuracy`); writes eval samples to the run dir."""
     pin_threads(1)
     data = config.data
-    if data.eval is None:
-        raise ConfigError("no eval dataset: set data.eval (or pass --data FILE.jsonl)")
+    if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
+        raise ConfigError("no eval dataset: set data.eval, or a domain's eval (or pass --data FILE.jsonl)")
     rewards = model_rewards(config.reward)
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
     inputs = check_inputs(config, roles, train=False)

@@ -6,12 +6,15 @@ traceback nor a failure at step 11 of 12.
 1. the models: a local directory has weights and a tokenizer, a hub id is cached or the hub answers
    (`rollflow.models.check_model_files`);
 2. the response limits against the model's context (`check_generation_limits`);
-3. every row of `data.train` and `data.eval`, encoded up front (`encode_prompts`): a null, empty or
-   non-string prompt, characters the tokenizer cannot represent, a prompt longer than
-   `data.max_prompt_tokens` or one that leaves no room for the response in the model's context, each named
-   by dataset and 1-based row number;
-4. the columns the rewards declared (`rollflow.rewards.needs_columns`) in every row (`check_reward_columns`);
+3. every row of `data.train` and `data.eval` (or of each domain's `train` and `eval`, `data.domains`),
+   encoded up front (`encode_prompts`): a null, empty or non-string prompt, characters the tokenizer cannot
+   represent, a prompt longer than `data.max_prompt_tokens` or one that leaves no room for the response in
+   the model's context, each named by dataset and 1-based row number;
+4. the columns the rewards declared (`rollflow.rewards.needs_columns`) in every row, a domain's rows against
+   its own rewards (`check_reward_columns`);
 5. thread counts against the machine's cores (`resource_warnings`, lines to print, not errors).
+
+`build_sampler(config, inputs)` then builds the run's prompt sampler from the checked prompts.
 """
 
 from __future__ import annotations
@@ -20,11 +23,19 @@ import os
 import unicodedata
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.config import DatasetConfig, RLVRConfig
-from rollflow.data.prompts import EncodedPrompt, PromptEncoder, Row, load_dataset
+from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
+from rollflow.data.prompts import (
+    DomainSampler,
+    EncodedPrompt,
+    PromptEncoder,
+    PromptSampler,
+    Row,
+    load_dataset,
+)
+from rollflow.data.seeds import derive_seed
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.rewards.registry import required_columns, resolve_reward
@@ -35,13 +46,18 @@ CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_le
 
 @dataclass
 class CheckedInputs:
-    """What `check_inputs` hands the driver: the tokenizer and every prompt, encoded and checked."""
+    """What `check_inputs` hands the driver: the tokenizer and every prompt, encoded and checked.
+
+    With `data.domains`, `train_prompts` and `eval_prompts` hold every domain's, one domain after the other,
+    each row's column `domain` its domain's name, and `train_prompts_by_domain` each domain's train prompts.
+    """
 
     tokenizer: Any
     encoder: PromptEncoder
     train_prompts: list[EncodedPrompt]
     eval_prompts: list[EncodedPrompt]
     warnings: list[str]
+    train_prompts_by_domain: dict[str, list[EncodedPrompt]] = field(default_factory=dict)
 
 
 def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -> CheckedInputs:
@@ -68,20 +84,47 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     data = config.data
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
     context = context_length(model_config)
-    columns = reward_columns(config)
-    prompts: dict[str, list[EncodedPrompt]] = {"data.train": [], "data.eval": []}
-    limits = {"data.train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
-              "data.eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
-    for key, dataset in (("data.train", data.train), ("data.eval", data.eval)):
-        if dataset is None or key == "data.train" and not train:
+    prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
+    limits = {"train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
+              "eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
+    for key, kind, domain, dataset in configured_datasets(data):
+        if dataset is None or kind == "train" and not train:
             continue
         source = dataset_source(key, dataset)
         rows = load_dataset(dataset, data.prompt_key, data.answer_key)
-        check_reward_columns(rows, source, columns, data.answer_key)
-        prompts[key] = encode_prompts(encoder, rows, source, max_new_tokens=limits[key][1],
-                                      context_length=context, max_new_tokens_key=limits[key][0])
+        if domain is not None:
+            for row in rows:
+                row["domain"] = domain  # picks the domain's rewards and names its metrics
+        check_reward_columns(rows, source, reward_columns(config, domain), data.answer_key)
+        prompts[kind][domain] = encode_prompts(encoder, rows, source, max_new_tokens=limits[kind][1],
+                                               context_length=context, max_new_tokens_key=limits[kind][0])
     warnings = resource_warnings(config, roles)
-    return CheckedInputs(tokenizer, encoder, prompts["data.train"], prompts["data.eval"], warnings)
+    train_prompts, eval_prompts = ([p for part in prompts[kind].values() for p in part]
+                                   for kind in ("train", "eval"))
+    by_domain = {domain: part for domain, part in prompts["train"].items() if domain is not None}
+    return CheckedInputs(tokenizer, encoder, train_prompts, eval_prompts, warnings, by_domain)
+
+
+def configured_datasets(data: DataConfig) -> list[tuple[str, str, str | None, DatasetConfig | None]]:
+    """Every dataset of the run as `(config key, "train" | "eval", domain, dataset)`: `data.train` and
+    `data.eval` (domain None), or each domain's `train` and `eval` (`data.domains.NAME.train`, ...)."""
+    if data.domains is None:
+        return [("data.train", "train", None, data.train), ("data.eval", "eval", None, data.eval)]
+    return [(f"data.domains.{name}.{kind}", kind, name, getattr(domain, kind))
+            for name, domain in data.domains.items() for kind in ("train", "eval")]
+
+
+def build_sampler(config: RLVRConfig, inputs: CheckedInputs) -> PromptSampler | DomainSampler:
+    """The run's prompt sampler, `rollout.prompts_per_step` prompts a `next_batch()`: a `PromptSampler` over
+    the train prompts, or with `data.domains` a `DomainSampler` mixing one `PromptSampler` per domain
+    (seeded `derive_seed(seed, "domain", name)`) by the domains' shares."""
+    data, batch_size = config.data, config.rollout.prompts_per_step
+    if data.domains is None:
+        return PromptSampler(inputs.train_prompts, batch_size, config.seed, data.shuffle)
+    samplers = {name: PromptSampler(inputs.train_prompts_by_domain[name], batch_size,
+                                    derive_seed(config.seed, "domain", name), data.shuffle)
+                for name in data.domains}
+    return DomainSampler(samplers, data.domain_shares(), batch_size)
 
 
 def dataset_source(key: str, dataset: DatasetConfig) -> str:
@@ -169,14 +212,19 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
     return encoded
 
 
-def reward_columns(config: RLVRConfig) -> dict[str, tuple[str, ...]]:
-    """Per configured reward, the dataset columns it declared (`rollflow.rewards.needs_columns`).
+def reward_columns(config: RLVRConfig, domain: str | None = None) -> dict[str, tuple[str, ...]]:
+    """Per reward of `domain`'s prompts (`reward.domains`, else `reward.functions`), the dataset columns it
+    declared (`rollflow.rewards.needs_columns`).
+
+    Args:
+        config: the run config.
+        domain: a `data.domains` name; None: a single-dataset run's rewards, `reward.functions`.
 
     Raises:
         RewardLoadError: a reward that does not resolve (one line).
     """
     return {function.name: required_columns(resolve_reward(function.name, function.kwargs))
-            for function in config.reward.functions}
+            for function in config.reward.functions_of(domain)}
 
 
 def check_reward_columns(rows: Sequence[Row], source: str, columns: Mapping[str, Sequence[str]],

@@ -8,6 +8,7 @@ Importing this package registers the built-in rewards in `REWARD_FUNCTIONS`: `ma
 from rollflow.rewards.code import code_tests
 from rollflow.rewards.combine import (
     CombinedReward,
+    DomainRewards,
     GroupReward,
     PendingGroup,
     RewardScoreError,
@@ -33,6 +34,7 @@ __all__ = [
     "INSTRUCTION_RULES",
     "REWARD_FUNCTIONS",
     "CombinedReward",
+    "DomainRewards",
     "GroupReward",
     "GroupScorer",
     "HTTPJudgeOptions",

@@ -16,6 +16,9 @@ workers) scores a whole group in one call and answers later: `submit_group` send
 reward first, then runs the plain functions while the workers score, and returns a `PendingGroup` whose
 futures the caller waits on (the rollout scheduler keeps collecting other groups meanwhile); its `finish`
 turns the results into `(total, parts)` per sample.
+
+A multi-domain run (`data.domains`) may give each domain its own combination: `DomainRewards` sends each
+group to the combination of its rows' `domain`.
 """
 
 from __future__ import annotations
@@ -213,6 +216,65 @@ class CombinedReward:
             reward.close()
         if self.pool is not None:
             self.pool.close()
+
+
+class DomainRewards:
+    """One `CombinedReward` per domain: a group is scored by the combination of its domain, the column
+    `domain` of its rows (`"default"` when absent), or by `default` when the domain has none of its own.
+
+    It offers what callers use of a `CombinedReward`: `submit_group`, `score_group`, a call per sample,
+    `names`, `start` and `close`.
+
+    Args:
+        by_domain: domain name -> its combination.
+        default: the combination of every other domain.
+    """
+
+    def __init__(self, by_domain: dict[str, CombinedReward], default: CombinedReward):
+        self.by_domain = by_domain
+        self.default = default
+
+    @property
+    def combinations(self) -> list[CombinedReward]:
+        return [self.default, *self.by_domain.values()]
+
+    @property
+    def names(self) -> list[str]:
+        """Every reward's name, once, in the order they first appear (the default's first)."""
+        return list(dict.fromkeys(name for combined in self.combinations for name in combined.names))
+
+    def of(self, domain: str) -> CombinedReward:
+        """The combination that scores `domain`'s prompts."""
+        return self.by_domain.get(domain, self.default)
+
+    def submit_group(self, completions: list[str], rows: list[Row]) -> PendingGroup:
+        """`CombinedReward.submit_group` of the group's domain (a group is one prompt, so one domain).
+
+        Raises:
+            ValueError: rows of more than one domain.
+        """
+        domains = {str(row.get("domain", "default")) for row in rows}
+        if len(domains) > 1:
+            raise ValueError(f"a group's rows are of one domain, got {', '.join(sorted(domains))}")
+        domain = domains.pop() if domains else "default"
+        return self.of(domain).submit_group(completions, rows)
+
+    def score_group(self, completions: list[str], rows: list[Row]) -> list[Outcome]:
+        """`submit_group` and wait: one `(total, parts)` or exception per sample."""
+        return self.submit_group(completions, rows).wait()
+
+    def __call__(self, completion: str, **row) -> tuple[float, dict[str, float]]:
+        return self.of(str(row.get("domain", "default")))(completion, **row)
+
+    def start(self, wait: bool = True) -> None:
+        """`CombinedReward.start` of every combination."""
+        for combined in self.combinations:
+            combined.start(wait=wait)
+
+    def close(self) -> None:
+        """`CombinedReward.close` of every combination (they may share a pool, which closes once)."""
+        for combined in self.combinations:
+            combined.close()
 
 
 def _settled(value: Any) -> Any:

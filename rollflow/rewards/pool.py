@@ -50,7 +50,10 @@ class RewardPool:
         return future
 
     def close(self) -> None:
-        """Stop the threads after their current call (queued calls are cancelled)."""
+        """Stop the threads after their current call (queued calls are cancelled). Closing again does nothing
+        (combinations of a multi-domain run share one pool)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         while True:
             try:

@@ -19,6 +19,7 @@ from rollflow.algorithms import (
     clip_rewards,
     kl_penalty,
     normalize_rewards,
+    normalize_rewards_by_domain,
     overlong_filter_mask,
     overlong_reward_penalty,
     whiten,
@@ -47,6 +48,7 @@ class AdvantageStage:
         self.max_response_length = max_response_length
         self.estimator = ADVANTAGE_ESTIMATORS.get(algorithm.advantage)
         self.reward_moments = RunningMoments()
+        self.domain_reward_moments: dict[str, RunningMoments] = {}  # `reward_norm_by_domain`: per domain name
         if algorithm.kl_reward_controller == "adaptive":
             self.kl_controller = AdaptiveKLController(algorithm.kl_reward_coef, algorithm.kl_reward_target,
                                                       algorithm.kl_reward_horizon)
@@ -72,8 +74,7 @@ class AdvantageStage:
             rewards = rewards + penalty
             metrics["reward_shaping/overlong_penalty_mean"] = float(penalty.mean())
         if (algorithm.reward_norm_mean, algorithm.reward_norm_std) != ("none", "none"):
-            rewards = normalize_rewards(rewards, batch.group_ids, algorithm.reward_norm_mean,
-                                        algorithm.reward_norm_std, self.reward_moments)  # [B]
+            rewards = self._normalized(rewards, batch)  # [B]
         rewards = clip_rewards(rewards, algorithm.reward_clip)  # [B]
         if rewards is not batch.rewards:
             metrics["reward_shaping/reward_mean"] = float(rewards.mean())
@@ -98,6 +99,18 @@ class AdvantageStage:
         batch.extras["returns"] = returns
         return metrics
 
+    def _normalized(self, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Reward normalization over the batch, or per domain (`reward_norm_by_domain`), whose running
+        moments are kept by domain name: a batch's domain ids index only its own `domain_names`."""
+        algorithm = self.algorithm
+        if not algorithm.reward_norm_by_domain or batch.domain_ids is None:
+            return normalize_rewards(rewards, batch.group_ids, algorithm.reward_norm_mean,
+                                     algorithm.reward_norm_std, self.reward_moments)  # [B]
+        moments = [self.domain_reward_moments.setdefault(name, RunningMoments())
+                   for name in batch.domain_names]
+        return normalize_rewards_by_domain(rewards, batch.group_ids, batch.domain_ids,  # [B]
+                                           algorithm.reward_norm_mean, algorithm.reward_norm_std, moments)
+
     def _kl_token_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor | None:
         """`-beta * KL(policy || reference)` per token [B, T], then the controller's update; None when off."""
         if self.algorithm.kl_reward_coef == 0:
@@ -113,8 +126,11 @@ class AdvantageStage:
         return -beta * kl
 
     def state(self) -> dict:
-        """What a checkpoint keeps: running reward moments and the KL coefficient (JSON-serializable)."""
-        return {"reward_moments": dict(vars(self.reward_moments)), "kl_coef": self.kl_controller.value}
+        """What a checkpoint keeps: running reward moments (overall and per domain) and the KL coefficient
+        (JSON-serializable)."""
+        return {"reward_moments": dict(vars(self.reward_moments)), "kl_coef": self.kl_controller.value,
+                "domain_reward_moments": {name: dict(vars(moments))
+                                          for name, moments in self.domain_reward_moments.items()}}
 
     def load_state(self, state: dict | None) -> None:
         """Restore what `state` returned (None: a checkpoint from before the stage kept state)."""
@@ -122,6 +138,9 @@ class AdvantageStage:
             return
         vars(self.reward_moments).update(state["reward_moments"])
         self.kl_controller.value = state["kl_coef"]
+        self.domain_reward_moments = {}
+        for name, moments in state.get("domain_reward_moments", {}).items():  # absent in older checkpoints
+            vars(self.domain_reward_moments.setdefault(name, RunningMoments())).update(moments)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

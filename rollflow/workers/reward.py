@@ -16,23 +16,45 @@ import ray
 
 from rollflow.cluster.groups import WorkerGroup
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.rewards import CombinedReward, ModelReward, combine_rewards, resolve_reward
+from rollflow.rewards import (
+    CombinedReward,
+    DomainRewards,
+    ModelReward,
+    RewardLoadError,
+    combine_rewards,
+    resolve_reward,
+)
 from rollflow.rewards.pool import RewardPool
 from rollflow.rewards.registry import Row
 from rollflow.workers.base import PlacedWorker, move_report, torch_device
 
 
 def model_rewards(reward_config) -> dict[str, ModelReward]:
-    """The configured rewards that need reward workers, by name, their options bound and checked.
+    """The configured rewards that need reward workers, by name, their options bound and checked: those of
+    `reward.functions` and of every domain's own list (`reward.domains`).
 
     Args:
         reward_config: the `reward` config section.
 
     Raises:
-        RewardLoadError: a reward that does not resolve (one line).
+        RewardLoadError: a reward that does not resolve, or a model reward configured with different kwargs
+            in two places (its workers hold one scorer per name) (one line).
     """
-    resolved = {function.name: resolve_reward(function.name, function.kwargs) for function in reward_config.functions}
-    return {name: reward for name, reward in resolved.items() if isinstance(reward, ModelReward)}
+    lists = {"reward.functions": reward_config.functions,
+             **{f"reward.domains.{name}": functions
+                for name, functions in (reward_config.domains or {}).items()}}
+    found: dict[str, tuple[str, dict, ModelReward]] = {}  # name -> (where, kwargs, reward)
+    for where, functions in lists.items():
+        for function in functions:
+            reward = resolve_reward(function.name, function.kwargs)
+            if not isinstance(reward, ModelReward):
+                continue
+            if function.name in found and found[function.name][1] != function.kwargs:
+                raise RewardLoadError(
+                    f"model reward {function.name!r} has different kwargs in {found[function.name][0]} and "
+                    f"{where}; its reward workers hold one scorer per name, so give it the same kwargs")
+            found.setdefault(function.name, (where, function.kwargs, reward))
+    return {name: reward for name, (_, _, reward) in found.items()}
 
 
 class RewardWorker(PlacedWorker):
@@ -118,10 +140,12 @@ class RemoteReward:
         """Nothing to release here: the workers belong to the run's `reward` group, shut down with it."""
 
 
-def build_reward_fn(reward_config, group: WorkerGroup | None = None) -> CombinedReward:
+def build_reward_fn(reward_config, group: WorkerGroup | None = None) -> CombinedReward | DomainRewards:
     """The weighted sum of the configured reward functions: `(completion, **row) -> (total, parts)`.
 
-    Plain functions run on the driver; each model reward is scored by the `reward` role's workers.
+    Plain functions run on the driver; each model reward is scored by the `reward` role's workers. With
+    `reward.domains`, a `DomainRewards` of one combination per domain listed there and `reward.functions`
+    for the others; they share the reward pool and each model reward's handle.
 
     Args:
         reward_config: the `reward` config section.
@@ -130,12 +154,23 @@ def build_reward_fn(reward_config, group: WorkerGroup | None = None) -> Combined
     Raises:
         RewardLoadError: a reward that does not resolve, or a bad weight / name (one line).
     """
-    rewards = []
-    for function in reward_config.functions:
-        fn = resolve_reward(function.name, function.kwargs)
-        if isinstance(fn, ModelReward):
-            if group is None:
-                raise ValueError(f"reward {function.name!r} is a model reward: start the reward role first")
-            fn = RemoteReward(function.name, group)
-        rewards.append((function.name, fn, function.weight))
-    return combine_rewards(rewards, RewardPool(reward_config.num_threads, reward_config.timeout_s))
+    pool = RewardPool(reward_config.num_threads, reward_config.timeout_s)
+    remotes: dict[str, RemoteReward] = {}
+
+    def combination(functions) -> CombinedReward:
+        rewards = []
+        for function in functions:
+            fn = resolve_reward(function.name, function.kwargs)
+            if isinstance(fn, ModelReward):
+                if group is None:
+                    raise ValueError(f"reward {function.name!r} is a model reward: start the reward role "
+                                     "first")
+                fn = remotes.setdefault(function.name, RemoteReward(function.name, group))
+            rewards.append((function.name, fn, function.weight))
+        return combine_rewards(rewards, pool)
+
+    default = combination(reward_config.functions)
+    if not reward_config.domains:
+        return default
+    return DomainRewards({name: combination(functions) for name, functions in reward_config.domains.items()},
+                         default)

@@ -1,6 +1,7 @@
 """Reward normalization, clipping, whitening, overlong shaping/filtering and the difficulty mask."""
 
 import random
+import statistics
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from rollflow.algorithms import (
     clip_rewards,
     difficulty_mask,
     normalize_rewards,
+    normalize_rewards_by_domain,
     overlong_filter_mask,
     overlong_reward_penalty,
     whiten,
@@ -127,3 +129,61 @@ def test_difficulty_mask_matches_loop(seed):
         mean = sum(members) / len(members)
         expected.append(0.0 < mean < 1.0)
     assert difficulty_mask(torch.tensor(rewards), torch.tensor(group_ids)).tolist() == expected
+
+
+# Two domains interleaved: domain 0 = samples {0, 2} with rewards (1, 3), domain 1 = samples {1, 3, 4} with
+# rewards (0, 10, 20).
+DOMAIN_REWARDS = torch.tensor([1.0, 0.0, 3.0, 10.0, 20.0])
+DOMAIN_GROUPS = torch.tensor([0, 1, 0, 2, 2])
+DOMAIN_IDS = torch.tensor([0, 1, 0, 1, 1])
+
+
+def test_normalize_by_domain_takes_each_domains_batch_moments():
+    # domain 0: mean 2, unbiased std sqrt(2) = 1.414214 -> (-0.707107, 0.707107);
+    # domain 1: mean 10, unbiased var (100 + 0 + 100) / 2 = 100, std 10 -> (-1, 0, 1).
+    result = normalize_rewards_by_domain(DOMAIN_REWARDS, DOMAIN_GROUPS, DOMAIN_IDS, "batch", "batch")
+    assert_close(result, torch.tensor([-0.707107, -1.0, 0.707107, 0.0, 1.0]), atol=1e-5, rtol=0)
+    # mean only: (1 - 2, 0 - 10, 3 - 2, 10 - 10, 20 - 10)
+    assert_close(normalize_rewards_by_domain(DOMAIN_REWARDS, DOMAIN_GROUPS, DOMAIN_IDS, "batch", "none"),
+                 torch.tensor([-1.0, -10.0, 1.0, 0.0, 10.0]))
+    # group scopes are within one domain already: the same as without domains
+    assert_close(normalize_rewards_by_domain(DOMAIN_REWARDS, DOMAIN_GROUPS, DOMAIN_IDS, "group", "group"),
+                 normalize_rewards(DOMAIN_REWARDS, DOMAIN_GROUPS, "group", "group"))
+    # one domain: normalize_rewards itself
+    one_domain = torch.zeros(4, dtype=torch.long)
+    assert_close(normalize_rewards_by_domain(REWARDS, GROUP_IDS, one_domain, "batch", "batch"),
+                 normalize_rewards(REWARDS, GROUP_IDS, "batch", "batch"))
+
+
+def test_normalize_by_domain_keeps_running_moments_per_domain():
+    stats = [RunningMoments(), RunningMoments()]
+    first = normalize_rewards_by_domain(DOMAIN_REWARDS, DOMAIN_GROUPS, DOMAIN_IDS, "running", "running", stats)
+    assert_close(first, torch.tensor([-0.707107, -1.0, 0.707107, 0.0, 1.0]), atol=1e-5, rtol=0)  # = batch
+    # second batch: 5 of domain 0, 30 of domain 1.
+    # domain 0 has seen (1, 3, 5): mean 3, squared deviations 4 + 0 + 4 = 8, unbiased std 2 -> (5 - 3) / 2 = 1.
+    # domain 1 has seen (0, 10, 20, 30): mean 15, squared deviations 225 + 25 + 25 + 225 = 500, unbiased var
+    # 500 / 3 = 166.6667, std 12.909944 -> (30 - 15) / 12.909944 = 1.161895.
+    second = normalize_rewards_by_domain(torch.tensor([5.0, 30.0]), torch.tensor([3, 4]), torch.tensor([0, 1]),
+                                         "running", "running", stats)
+    assert_close(second, torch.tensor([1.0, 1.161895]), atol=1e-5, rtol=0)
+    assert (stats[0].count, stats[0].mean, stats[1].count, stats[1].mean) == (3, 3.0, 4, 15.0)
+    # a domain with no sample in the batch keeps its moments
+    normalize_rewards_by_domain(torch.tensor([7.0]), torch.tensor([0]), torch.tensor([1]), "running", "running",
+                                stats)
+    assert stats[0].count == 3 and stats[1].count == 5
+
+
+def test_normalize_by_domain_matches_a_plain_loop():
+    rng = random.Random(0)
+    for _ in range(20):
+        size = rng.randint(2, 12)
+        rewards = [rng.uniform(-2, 5) for _ in range(size)]
+        domains = [rng.randint(0, 2) for _ in range(size)]
+        expected = []
+        for reward, domain in zip(rewards, domains):
+            same = [r for r, d in zip(rewards, domains) if d == domain]
+            std = statistics.stdev(same) if len(same) > 1 else 0.0  # one value: no spread
+            expected.append((reward - statistics.fmean(same)) / (std + 1e-6))
+        result = normalize_rewards_by_domain(torch.tensor(rewards, dtype=torch.float64), torch.arange(size),
+                                             torch.tensor(domains), "batch", "batch")
+        assert_close(result, torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=1e-9)

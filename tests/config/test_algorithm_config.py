@@ -12,6 +12,7 @@ def test_every_new_option_is_off_by_default():
     assert algorithm.reward_clip is None and algorithm.advantage_clip is None and not algorithm.whiten_advantages
     assert algorithm.overlong_buffer is None and not algorithm.overlong_filter and algorithm.difficulty_mask is None
     assert algorithm.kl_reward_coef == 0 and algorithm.train_infer_correction is None
+    assert not algorithm.reward_norm_by_domain
     assert not algorithm.needs_reference and not algorithm.needs_critic
 
 

@@ -1,3 +1,5 @@
+from fractions import Fraction
+
 import pytest
 
 from rollflow.config import RLVRConfig, apply_overrides, dump_config, load_config
@@ -100,3 +102,45 @@ def test_weight_checksum_off_survives_yaml(tmp_path):
     assert load_config(None, ["checks.weight_checksum=off"]).checks.weight_checksum == "off"
     with pytest.raises(ConfigError, match="weight_checksum"):
         load_config(None, ["checks.weight_checksum=on"])
+
+
+def test_domains_replace_train_and_eval_and_round_trip_through_yaml(tmp_path):
+    config = load_config("examples/multi_domain.yaml")
+    data = config.data
+    assert data.train is None and data.eval is None  # each domain has its own
+    assert list(data.domains) == ["add2", "sum3"]
+    assert data.domains["sum3"].eval.task == "sum3" and data.domains["sum3"].share == 0.5
+    assert config.reward.functions_of("sum3") == config.reward.functions  # no domain has its own
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(config))  # `train: null, eval: null` next to the domains
+    assert load_config(path) == config
+
+
+def test_domain_shares_are_normalized_exactly():
+    # shares 0.1, 0.2 and 0.7 are the decimals they are written as: 1/10, 2/10, 7/10 (their floats sum to
+    # 1.0000000000000002, and 0.3 * 10 is not 3.0 in floats)
+    config = load_config(None, ["data.domains={a: {train: {task: add2}, share: 0.1}, "
+                                "b: {train: {task: add2}, share: 0.2}, c: {train: {task: sum3}, share: 0.7}}",
+                                "rollout.prompts_per_step=10", "train.train_micro_batch_size=80"])
+    assert config.data.domain_shares() == {"a": Fraction(1, 10), "b": Fraction(1, 5), "c": Fraction(7, 10)}
+    # relative shares: 1 and 3 -> 1/4 and 3/4; the default share is 1
+    shares = load_config(None, ["data.domains={a: {train: {task: add2}}, b: {train: {task: sum3}, share: 3}}"])
+    assert shares.data.domain_shares() == {"a": Fraction(1, 4), "b": Fraction(3, 4)}
+    assert load_config(None).data.domain_shares() == {}
+
+
+def test_an_override_of_the_domains_keeps_the_default_train_and_eval_out_of_the_way():
+    # `data.domains=...` with no `data` section in the file fills `data` from the defaults, train and eval
+    # included: left at their defaults they count as unset
+    config = load_config(None, ["data.domains={x: {train: {task: sum3}}}"])
+    assert config.data.train is None and list(config.data.domains) == ["x"]
+    with pytest.raises(ConfigError, match=r"not both \(train set too\)"):
+        load_config(None, ["data.domains={x: {train: {task: sum3}}}", "data.train.limit=5"])
+
+
+def test_reward_domains_give_a_domain_its_own_functions():
+    config = load_config("examples/multi_domain.yaml",
+                         ["reward.domains={sum3: [{name: exact_match}, {name: length_penalty, weight: 0.1}]}"])
+    assert [f.name for f in config.reward.functions_of("sum3")] == ["exact_match", "length_penalty"]
+    assert [f.name for f in config.reward.functions_of("add2")] == ["math_answer"]
+    assert [f.name for f in config.reward.functions_of(None)] == ["math_answer"]

@@ -32,11 +32,12 @@ class Case:
     Attributes:
         category: the docs/failures.md category.
         input: the input, as docs/failures.md shows it.
-        expected: words the one error line must contain.
+        expected: words the one error line must contain (`DIR`: the test's directory).
         overrides: `key=value` overrides (may contain `{tmp}`, the test's directory).
         config: the config file's text or bytes; None: examples/quickstart.yaml.
         files: extra files to write, path under the test directory -> text or bytes.
         hub: for a hub id: `"unreachable"` (no network) or `"offline"` (HF_HUB_OFFLINE set).
+        config_path: the config file when `config` is None (examples/quickstart.yaml by default).
     """
 
     category: str
@@ -46,6 +47,7 @@ class Case:
     config: str | bytes | None = None
     files: dict[str, str | bytes] = field(default_factory=dict)
     hub: str | None = None
+    config_path: str = QUICKSTART
 
 
 def _jsonl(*rows) -> str:
@@ -66,6 +68,9 @@ def graded_answer(completion: str, **row) -> float:
 
 MODEL_FILES = {"m/config.json": json.dumps({"model_type": "qwen2"}), "m/model.safetensors": b"",
                "m/tokenizer.json": "{}"}
+
+MULTI_DOMAIN = "examples/multi_domain.yaml"
+TWO_DOMAINS = "data.domains={add2: {train: {task: add2}}, sum3: {train: {task: sum3}}}"
 
 # Rejected when the config loads: `rollflow train CONFIG ... --print-plan`.
 CONFIG_CASES = [
@@ -140,6 +145,35 @@ CONFIG_CASES = [
          ["train.steps.x=1"]),
     Case("YAML", "`train.step=5` (an unknown key)", "unknown config key 'train.step'; did you mean 'train.steps'?",
          ["train.step=5"]),
+    Case("domains", "`data.domains` and `data.eval` (quickstart.yaml sets it; its `train` is the default)",
+         "data: set either `domains` or `train` / `eval`, not both (eval set too)", [TWO_DOMAINS]),
+    Case("domains", "`data.eval.limit=8` with `data.domains` (multi_domain.yaml)",
+         "not both (eval set too); each domain has its own `train` and `eval` under data.domains",
+         ["data.eval.limit=8"], config_path=MULTI_DOMAIN),
+    Case("domains", "`data.domains={}`", "data.domains: no domains: name at least one", ["data.domains={}"],
+         config_path=MULTI_DOMAIN),
+    Case("domains", "a domain named `a-b`", "data.domains: domain name 'a-b': a letter, then letters, digits or '_'",
+         ["data.domains={a-b: {train: {task: add2}}}"], config_path=MULTI_DOMAIN),
+    Case("domains", "a domain named `mean`", "domain name 'mean' is taken by a metric (reward/mean)",
+         ["data.domains={mean: {train: {task: add2}}}"], config_path=MULTI_DOMAIN),
+    Case("domains", "a domain without `train`", "data.domains.sum3.train: Field required",
+         ["data.domains={add2: {train: {task: add2}}, sum3: {share: 2}}"], config_path=MULTI_DOMAIN),
+    Case("domains", "`share: 0`", "data.domains.sum3.share: Input should be greater than 0",
+         ["data.domains.sum3.share=0"], config_path=MULTI_DOMAIN),
+    Case("domains", "a share too small for one prompt a step",
+         "data.domains.sum3 gets 0.634 prompts per step (share 0.0099 of rollout.prompts_per_step 64); every "
+         "domain needs at least 1", ["data.domains.sum3.share=0.005"], config_path=MULTI_DOMAIN),
+    Case("domains", "`reward.domains` naming no domain",
+         "reward.domains names 'sum4', not a domain of data.domains (its domains: add2, sum3)",
+         ["reward.domains={sum4: [{name: math_answer}]}"], config_path=MULTI_DOMAIN),
+    Case("domains", "`reward.domains` without `data.domains`", "reward.domains gives domains their own rewards, "
+         "but there are no domains", ["reward.domains={add2: [{name: math_answer}]}"]),
+    Case("domains", "a domain's empty reward list",
+         "reward.domains: domain 'sum3': a run needs at least one reward function",
+         ["reward.domains={sum3: []}"], config_path=MULTI_DOMAIN),
+    Case("algorithm", "`reward_norm_by_domain=true` without batch or running normalization",
+         "algorithm: reward_norm_by_domain needs reward_norm_mean or reward_norm_std to be batch or running",
+         ["algorithm.reward_norm_by_domain=true", "algorithm.reward_norm_mean=group"]),
 ]
 
 # Rejected by the driver before Ray starts (`check_inputs`): models, datasets, limits against the model.
@@ -192,6 +226,17 @@ PREFLIGHT_CASES = [
                     "reward.functions=[{name: 'tests.config.test_malformed_inputs:graded_answer'}]")),
     Case("data", "`math_answer` without an `answer` column", "reward 'math_answer' needs the column 'answer'",
          **_dataset(_jsonl({"prompt": "1+1", "solution": "2"}))),
+    Case("domains", "a domain's own reward's declared column missing",
+         "data.domains.sum3.train (DIR/d.jsonl) row 1: reward 'tests.config.test_malformed_inputs:graded_answer' "
+         "needs the column 'answer'",
+         files={"d.jsonl": _jsonl({"prompt": "1+1+1"})},
+         overrides=["data.domains.sum3.train={path: '{tmp}/d.jsonl'}", "data.domains.sum3.eval=null",
+                    "reward.functions=[{name: length_penalty}]",
+                    "reward.domains={sum3: [{name: 'tests.config.test_malformed_inputs:graded_answer'}]}"],
+         config_path=MULTI_DOMAIN),
+    Case("domains", "a bad row of a domain's eval set", "data.domains.add2.eval (DIR/d.jsonl) row 1: the prompt "
+         "(column 'prompt') is empty", files={"d.jsonl": _jsonl({"prompt": "", "answer": "2"})},
+         overrides=["data.domains.add2.eval={path: '{tmp}/d.jsonl'}"], config_path=MULTI_DOMAIN),
 ]
 
 
@@ -207,7 +252,7 @@ def _materialize(case: Case, tmp_path: Path) -> list[str]:
 def cli_error(case: Case, tmp_path: Path, capsys) -> tuple[int, str]:
     """Run `rollflow train CONFIG *overrides --print-plan`; return (exit status, stderr)."""
     overrides = _materialize(case, tmp_path)
-    config = QUICKSTART
+    config = case.config_path
     if case.config is not None:
         config = str(tmp_path / "config.yaml")
         Path(config).write_bytes(case.config if isinstance(case.config, bytes) else case.config.encode())
@@ -224,7 +269,7 @@ def preflight_error(case: Case, tmp_path: Path, monkeypatch) -> tuple[int, str]:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", case.hub == "offline")
     monkeypatch.setattr("rollflow.models._reachable", lambda host, port, timeout_s: False)  # never the network
     try:
-        config = load_config(QUICKSTART, [f"output.dir={tmp_path / 'runs'}", *overrides])
+        config = load_config(case.config_path, [f"output.dir={tmp_path / 'runs'}", *overrides])
         check_inputs(config, rlvr_roles(config))
     except RollflowError as err:
         return getattr(err, "exit_code", EXIT_USER_ERROR), f"rollflow: error: {err}\n"
@@ -250,14 +295,14 @@ def test_the_table_is_large_enough():
 
 @pytest.mark.parametrize("case", CONFIG_CASES, ids=_id)
 def test_malformed_config(case, tmp_path, capsys):
-    _assert_one_line(*cli_error(case, tmp_path, capsys), case.expected)
+    _assert_one_line(*cli_error(case, tmp_path, capsys), case.expected.replace("DIR", str(tmp_path)))
 
 
 @pytest.mark.parametrize("case", PREFLIGHT_CASES, ids=_id)
 def test_malformed_model_or_data(case, tmp_path, monkeypatch):
     if "math_answer" in case.expected and not required_columns(REWARD_FUNCTIONS["math_answer"]):
         pytest.skip("rollflow/rewards/math.py: math_answer lacks @needs_columns('answer')")
-    _assert_one_line(*preflight_error(case, tmp_path, monkeypatch), case.expected)
+    _assert_one_line(*preflight_error(case, tmp_path, monkeypatch), case.expected.replace("DIR", str(tmp_path)))
 
 
 def test_a_good_dataset_passes_every_check(tmp_path, monkeypatch):

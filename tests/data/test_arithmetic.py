@@ -45,3 +45,14 @@ def test_unknown_task_names_the_valid_ones():
 def test_num_eval_must_leave_rows_on_both_sides(num_eval):
     with pytest.raises(ValueError, match="num_eval"):
         arithmetic_splits(num_eval=num_eval)
+
+
+def test_sum3_rows_are_three_one_digit_numbers_with_a_fifth_held_out():
+    train_rows, eval_rows = arithmetic_splits("sum3")
+    assert (len(train_rows), len(eval_rows)) == (800, 200)  # a fifth of 1,000 problems (add2 keeps 500)
+    assert not {row["prompt"] for row in train_rows} & {row["prompt"] for row in eval_rows}
+    for row in train_rows + eval_rows:
+        assert set(row) == {"prompt", "answer"}
+        assert re.fullmatch(r"\d\+\d\+\d", row["prompt"]), row  # digits and '+': the tiny model's tokenizer
+        assert row["answer"] == str(sum(int(term) for term in row["prompt"].split("+")))
+    assert len(arithmetic_splits("add2")[1]) == 500  # the default split of add2 is unchanged

@@ -54,3 +54,14 @@ def test_to_moves_every_tensor_and_extra():
     assert moved.input_ids.device.type == "meta" and moved.response_mask.device.type == "meta"
     assert moved.extras["advantages"].device.type == "meta"
     assert moved.prompt_length == batch.prompt_length and batch.input_ids.device.type == "cpu"
+
+
+def test_collate_numbers_the_domains_and_select_keeps_them():
+    samples = [Sample([1], [2], domain="sum3"), Sample([1], [2]), Sample([1], [2], domain="add2")]
+    batch = collate(samples, pad_token_id=0)
+    assert batch.domain_names == ("add2", "default", "sum3")  # sorted
+    assert batch.domain_ids.tolist() == [2, 1, 0]
+    picked = batch.select(torch.tensor([2, 0]))
+    assert picked.domain_ids.tolist() == [0, 2] and picked.domain_names == batch.domain_names
+    assert batch.select(slice(1, 2)).domain_ids.tolist() == [1]
+    assert batch.to("meta").domain_ids.device.type == "meta"

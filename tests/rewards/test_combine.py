@@ -169,3 +169,27 @@ def test_unbuilt_model_reward_is_rejected_with_a_hint():
 
     with pytest.raises(TypeError, match="not callable.*build_reward_fn"):
         combine_rewards([("judge", resolve_reward("llm_judge", {"model_path": "tiny"}), 1.0)])
+
+
+def test_domain_rewards_score_each_group_with_its_domains_functions():
+    from rollflow.rewards import DomainRewards
+
+    default = combine_rewards([("answer", lambda completion, **row: float(completion == row["answer"]), 1.0)])
+    own = combine_rewards([("answer", lambda completion, **row: float(completion == row["answer"]), 1.0),
+                           ("short", lambda completion, **row: -0.1 * len(completion), 0.5)])
+    rewards = DomainRewards({"sum3": own}, default)
+    add2 = {"prompt": "12+30", "answer": "42", "domain": "add2"}  # no functions of its own: the default's
+    sum3 = {"prompt": "1+2+3", "answer": "6", "domain": "sum3"}
+    assert rewards.score_group(["42", "43"], [add2, add2]) == [(1.0, {"answer": 1.0}), (0.0, {"answer": 0.0})]
+    # sum3: 1.0 * 1 + 0.5 * (-0.1 * 1) = 0.95; 1.0 * 0 + 0.5 * (-0.1 * 2) = -0.1
+    (total, parts), (total_wrong, _) = rewards.score_group(["6", "60"], [sum3, sum3])
+    assert total == pytest.approx(0.95) and parts == {"answer": 1.0, "short": pytest.approx(-0.1)}
+    assert total_wrong == pytest.approx(-0.1)
+    pending = rewards.submit_group(["6"], [sum3])  # what the rollout scheduler calls
+    assert pending.futures == [] and pending.finish([])[0][0] == pytest.approx(0.95)
+    assert rewards("6", **sum3)[0] == pytest.approx(0.95)
+    assert rewards("42", prompt="12+30", answer="42") == (1.0, {"answer": 1.0})  # no domain column: default
+    assert rewards.names == ["answer", "short"]
+    with pytest.raises(ValueError, match="one domain, got add2, sum3"):
+        rewards.submit_group(["6", "42"], [sum3, add2])
+    rewards.close()

@@ -65,3 +65,11 @@ def test_a_timed_out_reward_fails_only_its_sample():
     assert a == (1.0, {"slow": 1.0})
     assert isinstance(b, RewardTimeoutError)
     combined.close()
+
+
+def test_closing_twice_is_harmless():
+    """A multi-domain run's reward combinations share one pool, and each closes it."""
+    pool = RewardPool(num_threads=2, timeout_s=5.0)
+    assert pool.submit("double", lambda x: 2 * x, (3,)).result(timeout=5) == 6
+    pool.close()
+    pool.close()

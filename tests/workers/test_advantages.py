@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -103,3 +105,33 @@ def test_opd_distills_towards_the_reference_worker():
     # teacher - student: (-0.5 + 0.5, -0.5 + 0.25), (-0.5 + 1), (-0.5 + 0.1, -0.5 + 0.2, -0.5 + 0.3)
     assert_close(advantages, torch.tensor([[0.0, -0.25, 0.0], [0.5, 0.0, 0.0], [-0.4, -0.3, -0.2]]))
     assert metrics["advantage/reverse_kl_mean"] == pytest.approx(-(0.0 - 0.25 + 0.5 - 0.4 - 0.3 - 0.2) / 6)
+
+
+def _domain_batch():
+    """Two domains: `b` = samples (0, 1) with rewards (1, 3), `a` = samples (2, 3) with rewards (0, 10)."""
+    from rollflow.data.sample import Sample
+
+    samples = [Sample([1], [2], group_id=group, reward=reward, domain=domain) for group, reward, domain in
+               [(0, 1.0, "b"), (0, 3.0, "b"), (1, 0.0, "a"), (1, 10.0, "a")]]
+    return collate(samples, pad_token_id=0)
+
+
+def test_reward_normalization_by_domain_keeps_running_moments_per_domain_in_checkpoints():
+    options = {"advantage": "reinforce", "reward_norm_mean": "running", "reward_norm_std": "running",
+               "reward_norm_by_domain": True}
+    batch = _domain_batch()
+    assert batch.domain_names == ("a", "b") and batch.domain_ids.tolist() == [1, 1, 0, 0]
+    advantages, _, stage = _advantages(batch, max_response_length=1, **options)
+    # b: mean 2, unbiased std sqrt(2) -> (-0.707107, 0.707107); a: mean 5, std sqrt(50) = 7.071068 -> (-0.707107,
+    # 0.707107). Over the whole batch (mean 3.5, std 4.509250) they would be (-0.554, -0.111, -0.776, 1.441).
+    assert_close(advantages[:, 0], torch.tensor([-0.707107, 0.707107, -0.707107, 0.707107]), atol=1e-5, rtol=0)
+    assert stage.domain_reward_moments["a"].mean == 5.0 and stage.domain_reward_moments["b"].mean == 2.0
+    assert stage.reward_moments.count == 0  # the overall moments are not used
+    restored = AdvantageStage(stage.algorithm, 1)
+    restored.load_state(json.loads(json.dumps(stage.state())))  # what a checkpoint keeps
+    assert {name: vars(m) for name, m in restored.domain_reward_moments.items()} == {
+        name: vars(m) for name, m in stage.domain_reward_moments.items()}
+    # without the option the batch is normalized as a whole: mean 3.5
+    whole, _, _ = _advantages(_domain_batch(), max_response_length=1, advantage="reinforce",
+                              reward_norm_mean="batch")
+    assert_close(whole[:, 0], torch.tensor([-2.5, -0.5, -3.5, 6.5]))

@@ -21,7 +21,15 @@ from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
 from rollflow.errors import WorkerError
 from rollflow.pipelines.rlvr import PHASES
-from rollflow.rewards import ModelReward, ScoreError, combine_rewards, resolve_reward
+from rollflow.rewards import (
+    CombinedReward,
+    DomainRewards,
+    ModelReward,
+    RewardLoadError,
+    ScoreError,
+    combine_rewards,
+    resolve_reward,
+)
 from rollflow.rewards.judge import LLMJudge
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.workers.base import PlacedWorker, torch_device
@@ -226,6 +234,37 @@ def test_build_reward_fn_puts_model_rewards_on_workers_and_plain_ones_on_the_dri
     plan = plan_roles(gpu, ["actor_train", "actor_infer", "reward"], devices_per_node=8)
     assert [w.local_devices for w in plan.workers["reward"]] == [(4, 5), (6, 7)]
     assert torch_device(gpu) == "cuda"
+
+
+JUDGE = "{name: llm_judge, weight: 0.5, kwargs: {model_path: tiny, max_new_tokens: 4}}"
+
+
+def test_build_reward_fn_gives_each_domain_its_own_rewards():
+    config = load_config("examples/multi_domain.yaml",
+                         [f"reward.domains={{sum3: [{{name: exact_match}}, {JUDGE}]}}"])
+    assert list(model_rewards(config.reward)) == ["llm_judge"]  # a domain's model reward starts workers too
+    group = WorkerGroup("reward", [], [])
+    rewards = build_reward_fn(config.reward, group)
+    assert isinstance(rewards, DomainRewards)
+    assert rewards.of("add2") is rewards.default and rewards.default.names == ["math_answer"]
+    assert rewards.of("sum3").names == ["exact_match", "llm_judge"]
+    assert rewards.of("sum3").kinds == ["plain", "group"]
+    assert rewards.of("sum3").pool is rewards.default.pool  # one reward pool for the run
+    pending = rewards.submit_group(["6"], [{"prompt": "1+2+3", "answer": "6", "domain": "add2"}])
+    assert pending.futures == [] and pending.finish([]) == [(1.0, {"math_answer": 1.0})]
+    rewards.close()
+    plain = build_reward_fn(load_config("examples/multi_domain.yaml").reward)  # no reward.domains
+    assert isinstance(plain, CombinedReward)
+    plain.close()
+
+
+def test_a_model_reward_must_have_one_configuration_across_domains():
+    other = JUDGE.replace("max_new_tokens: 4", "max_new_tokens: 5")
+    config = load_config("examples/multi_domain.yaml", [f"reward.functions=[{{name: math_answer}}, {JUDGE}]",
+                                                        f"reward.domains={{sum3: [{other}]}}"])
+    with pytest.raises(RewardLoadError, match="'llm_judge' has different kwargs in reward.functions and "
+                                              "reward.domains.sum3"):
+        model_rewards(config.reward)
 
 
 def test_reward_workers_sharing_the_trainers_devices_are_offloaded_while_it_trains(ray_session):
