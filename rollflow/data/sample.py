@@ -89,8 +89,9 @@ class Batch:
         position_ids: [B, P + T] positions counted from each row's first real token.
         response_mask: [B, T] 1 on response tokens that are trained on (loss_mask and not padding).
         rollout_logprobs: [B, T] the engine's logprobs (0 on padding).
-        policy_versions: [B, T] sampling policy version per token (-1 on padding / env tokens). Reserved:
-            carried from the engines but read by nothing until asynchronous training bounds staleness with it.
+        policy_versions: [B, T] sampling policy version per token (-1 on padding / env tokens). The
+            rollout stream bounds staleness on the samples' versions before collate; the trainer does not read
+            it.
         rewards: [B] scalar reward per sample.
         group_ids: [B] group id per sample.
         response_lengths: [B] number of response tokens (model and env), before padding.

@@ -22,7 +22,11 @@ class SamplingParams:
     """How to sample. `temperature == 0` means greedy decoding.
 
     Reported logprobs are log-softmax(logits / temperature) of the sampled token (temperature 1 when
-    greedy), before top-k / top-p filtering — the quantity the trainer recomputes.
+    greedy), before top-k / top-p filtering and before the `min_new_tokens` mask — the quantity the
+    trainer recomputes.
+
+    `min_new_tokens` (vLLM's `min_tokens`, SGLang's `min_new_tokens`): until a sample has that many
+    tokens, EOS and `stop_token_ids` cannot be sampled, so no sample ends by a stop before it.
     """
 
     max_new_tokens: int = 16
@@ -32,10 +36,14 @@ class SamplingParams:
     n: int = 1  # completions for this prompt (a GRPO group)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     seed: int | None = None  # per-request seed (reproducible sampling); None: engine's generator
+    min_new_tokens: int = 0  # no EOS / stop id before this many tokens
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not self.temperature >= 0:  # also refuses NaN

@@ -4,6 +4,7 @@ the trainer to the engines, and greedy evaluation through the rollout scheduler.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
@@ -13,6 +14,7 @@ from rollflow.engines.base import SamplingParams
 from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.rollout.stream import RolloutStream, Sampler, StreamSettings
 from rollflow.workers.reward import build_reward_fn
 
 
@@ -27,6 +29,27 @@ def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> Ro
     return RolloutScheduler(groups["actor_infer"].handles, reward_fn, decode,
                             config.roles.actor_infer.max_in_flight_requests, seed=config.seed,
                             deterministic=config.rollout.deterministic, watchdog_s=config.cluster.watchdog_s)
+
+
+def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sampler,
+                   sampling: SamplingParams) -> RolloutStream:
+    """The run's training batches: the stream of prompt groups over `scheduler`, per `rollout.*` (staleness,
+    refills, over-provisioning, long rounds) and `algorithm.difficulty_mask`."""
+    rollout = config.rollout
+    settings = StreamSettings(rollout.prompts_per_step, rollout.max_staleness, rollout.refill_bound,
+                              rollout.overprovision, rollout.long_round_every, config.algorithm.difficulty_mask,
+                              rollout.partial_rollout)
+    domains = config.data.domains or {}
+
+    def params_for(prompt: EncodedPrompt, params: SamplingParams) -> SamplingParams:
+        """A domain's own response lengths (`data.domains.NAME.{max,min}_new_tokens`)."""
+        domain = domains.get(prompt.row.get("domain"))
+        if domain is None:
+            return params
+        return replace(params, max_new_tokens=domain.max_new_tokens or params.max_new_tokens,
+                       min_new_tokens=domain.min_new_tokens)
+
+    return RolloutStream(scheduler, sampler, sampling, settings, params_for)
 
 
 def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_bytes: int, checksum: str,

@@ -14,20 +14,20 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.cluster.runtime import pin_threads
 from rollflow.config import RLVRConfig
-from rollflow.data.prompts import PromptSampler
 from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.pipelines.interrupts import StopSignals
-from rollflow.pipelines.phases import evaluate, rollout_scheduler, sync_weights
-from rollflow.pipelines.preflight import check_inputs
+from rollflow.pipelines.phases import evaluate, rollout_scheduler, rollout_stream, sync_weights
+from rollflow.pipelines.preflight import build_sampler, check_inputs
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
     write_driver_state,
     write_placement,
 )
-from rollflow.rollout.filters import check_some_succeeded, filter_by_difficulty, usable
+from rollflow.rollout.filters import check_some_succeeded, usable
 from rollflow.rollout.metrics import rollout_metrics
+from rollflow.rollout.stream import RolloutStream
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.durable_files import disk_full_as_error
 from rollflow.trackers.plots import plot_curves
@@ -76,7 +76,6 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     for warning in inputs.warnings:
         print(f"rollflow: warning: {warning}", file=sys.stderr)
     tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
-    sampler = PromptSampler(inputs.train_prompts, rollout.prompts_per_step, config.seed, config.data.shuffle)
     role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
     prepared = prepare_run_dir(config)  # before Ray starts: a resume with nothing to resume fails at once
 
@@ -91,32 +90,34 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
         scheduler = rollout_scheduler(config, groups, tokenizer)
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                                   n=rollout.samples_per_prompt)
+        stream = rollout_stream(config, scheduler, build_sampler(config, inputs), sampling)
         greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
         sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
-        first_step, initial_eval, syncs = 0, {}, 0
+        first_step, initial_eval, syncs, version = 0, {}, 0, 0  # version: of the weights the engines hold
         if prepared.resume_from:
-            first_step, initial_eval = load_checkpoint(prepared.resume_from, groups, sampler, advantages)
-            sync_weights(groups, colocation, *sync_args)
-            tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
+            first_step, initial_eval, regenerated = load_checkpoint(prepared.resume_from, groups, stream, advantages)
+            version = sync_weights(groups, colocation, *sync_args)["sync/version"]
+            tracker.print(f"resumed from {prepared.resume_from} at step {first_step}"
+                          + (f" ({regenerated} prompts drawn but not trained then are generated again)"
+                             if regenerated else ""))
         else:
             initial_eval = evaluate(scheduler, colocation, eval_prompts, greedy)
             tracker.log(first_step, initial_eval)
             tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
 
         metrics: dict[str, float] = {}
-        finished = driver_state(first_step, sampler, advantages, initial_eval)  # the last step done in full
+        finished = driver_state(first_step, stream, advantages, initial_eval)  # the last step done in full
         saved_step = first_step
         try:
             for step in range(first_step + 1, config.train.steps + 1):
                 started = time.perf_counter()
                 colocation.enter("rollout")
-                result = scheduler.generate(sampler.next_batch(), sampling, seed_key=("train", step))
+                result = stream.next_batch(step, version)  # asynchronous: generated while the last step trained
                 check_some_succeeded(result.samples, f"step {step}")
                 metrics = {**result.metrics, **rollout_metrics(result.samples)}
                 if step == first_step + 1 and config.checks.logprob_parity_samples:
                     metrics.update(logprob_parity(result.samples, groups, colocation, config,
                                                   tokenizer.pad_token_id))
-                metrics.update(filter_by_difficulty(result.samples, config.algorithm.difficulty_mask))
                 batch_samples = usable(result.samples)
                 metrics["train/usable_samples"] = float(len(batch_samples))
                 with stop.critical():  # a stop signal waits until this step is trained, synced and logged
@@ -126,6 +127,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                         syncs += 1
                         corrupt = syncs == config.checks.fault_injection_flip_sync_byte_at
                         metrics.update(sync_weights(groups, colocation, *sync_args, corrupt))
+                        version = int(metrics["sync/version"])
+                        stream.weights_updated()
                     metrics.update(colocation.pop_metrics())
                     if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
                         metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy, step))
@@ -133,7 +136,7 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                     tracker.log(step, metrics)
                     write_samples(config.run_dir / "samples.jsonl", step, result.samples,
                                   output.samples_logged_per_step)
-                    finished = driver_state(step, sampler, advantages, initial_eval)
+                    finished = driver_state(step, stream, advantages, initial_eval)
                     if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
                         save_checkpoint(config.run_dir, groups, finished)
                         saved_step = step
@@ -146,6 +149,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                           "checkpoint")
             tracker.close()
             raise
+        finally:
+            stream.close()
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
         if "eval/accuracy" in final and "initial_eval/accuracy" in final:
@@ -197,10 +202,10 @@ def logprob_parity(samples: list[Sample], groups: WorkerGroups, colocation: Colo
         batch, trainer_logprobs, config.checks.logprob_parity_tolerance)}
 
 
-def driver_state(step: int, sampler: PromptSampler, advantages: AdvantageStage, initial_eval: dict) -> dict:
-    """The driver's part of a checkpoint after `step`: the step, data position, reward and KL statistics.
-    Taken when the step ends: the next step's rollout already moves the sampler."""
-    return {"step": step, "sampler": sampler.state(), "advantage_stage": advantages.state(),
+def driver_state(step: int, stream: RolloutStream, advantages: AdvantageStage, initial_eval: dict) -> dict:
+    """The driver's part of a checkpoint after `step`: the step, data position (with the prompts drawn but not
+    trained yet, which a resume generates again), reward and KL statistics. Taken when the step ends."""
+    return {"step": step, "stream": stream.state(), "advantage_stage": advantages.state(),
             "initial_eval": initial_eval}
 
 
@@ -217,14 +222,15 @@ def save_checkpoint(run_dir: Path, groups: WorkerGroups, state: dict) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, groups: WorkerGroups, sampler: PromptSampler,
-                    advantages: AdvantageStage) -> tuple[int, dict]:
-    """Restore what `save_checkpoint` wrote. Returns (the step it was taken at, the run's initial eval)."""
+def load_checkpoint(path: Path, groups: WorkerGroups, stream: RolloutStream,
+                    advantages: AdvantageStage) -> tuple[int, dict, int]:
+    """Restore what `save_checkpoint` wrote. Returns (the step it was taken at, the run's initial eval, the
+    prompts in flight then, to be generated again)."""
     state = read_driver_state(path)
     groups["actor_train"].call("load", str(path / "model"), state["step"])
     if "critic" in groups:
         groups["critic"].call("load", str(path / "critic"), state["step"])
-    sampler.load_state(state["sampler"])
+    regenerated = stream.load_state(state["stream"])
     advantages.load_state(state.get("advantage_stage"))
-    return state["step"], state.get("initial_eval", {})
+    return state["step"], state.get("initial_eval", {}), regenerated
 

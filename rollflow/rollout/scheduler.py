@@ -30,7 +30,7 @@ from rollflow.rewards.combine import PendingGroup
 # (completion text, row) -> (total reward, {name: value})
 RewardFn = Callable[..., tuple[float, dict[str, float]]]
 
-_MISSING = object()  # a model-reward result that has not arrived
+MISSING = object()  # a model-reward result that has not arrived
 
 _STATUS = {"stop": SampleStatus.FINISHED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
@@ -111,14 +111,14 @@ class RolloutScheduler:
                     in_flight[ref] = (worker, [(prompt, group_id) for prompt, group_id, _ in share])
             waiting.clear()
         dispatch()
-        scoring: list[_GroupScoring] = []  # groups whose model rewards or pooled plain rewards are pending
+        scoring: list[GroupScoring] = []  # groups whose model rewards or pooled plain rewards are pending
         samples: list[Sample] = []
         reward_seconds = 0.0
         first_done = generation_done = None
         last_progress = time.monotonic()
         while in_flight or scoring:
             model_refs = {ref: (group, i) for group in scoring for i, ref in enumerate(group.pending.futures)
-                          if group.results[i] is _MISSING}
+                          if group.results[i] is MISSING}
             pending = [*in_flight, *model_refs]
             polling = any(group.pending.plain_pending for group in scoring)  # thread futures: poll them
             wait_s = 0.005 if polling else max(0.0, self.watchdog_s - (time.monotonic() - last_progress))
@@ -140,10 +140,11 @@ class RolloutScheduler:
                 requests[worker] -= len(groups)
                 reward_started = time.perf_counter()
                 for (prompt, group_id), completion in zip(groups, completions):
+                    group_samples = self.unscored_samples(prompt, completion, group_id)
                     if self.batched:  # model rewards go to reward workers, plain ones to the reward pool
-                        scoring.append(self._submit(prompt, completion, group_id))
+                        scoring.append(self.submit_scoring(prompt, group_samples))
                     else:
-                        samples.extend(self._score(prompt, completion, group_id))
+                        samples.extend(self.score_now(prompt, group_samples))
                 reward_seconds += time.perf_counter() - reward_started
             dispatch()  # freed capacity takes the next waiting groups
             if not in_flight and generation_done is None:
@@ -154,17 +155,18 @@ class RolloutScheduler:
                     group.results[index] = ray.get(ref)
                 except Exception as err:  # the reward worker raised or died: that reward fails the group
                     group.results[index] = err
-            finished = [g for g in scoring if _MISSING not in g.results and not g.pending.plain_pending]
+            finished = [g for g in scoring if MISSING not in g.results and not g.pending.plain_pending]
             if finished:
                 reward_started = time.perf_counter()
                 for group in finished:
                     scoring.remove(group)
-                    samples.extend(self._finish(group))
+                    samples.extend(self.finish_scoring(group))
                 reward_seconds += time.perf_counter() - reward_started
             if done or finished:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.watchdog_s:
-                raise StalledError(self._stall_message(in_flight, scoring))
+                generating = collections.Counter(worker for worker, groups in in_flight.values() for _ in groups)
+                raise StalledError(self.stall_message(generating, len(scoring)))
         samples.sort(key=lambda s: (s.group_id, s.metadata.get("slot", 0)))
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.response_ids) for s in samples)
@@ -188,15 +190,15 @@ class RolloutScheduler:
                         GenerationRequest(f"req-{next(self._ids)}", prompt.token_ids, request_params)))
         return out
 
-    def _stall_message(self, in_flight: dict, scoring: list[_GroupScoring]) -> str:
-        waiting_on = collections.Counter(worker for worker, groups in in_flight.values() for _ in groups)
-        parts = [f"actor_infer worker {w} ({n} groups generating)" for w, n in sorted(waiting_on.items())]
+    def stall_message(self, generating: collections.Counter, scoring: int) -> str:
+        """The `StalledError` line: what a rollout without progress waits on (`generating`: worker -> groups)."""
+        parts = [f"actor_infer worker {w} ({n} groups generating)" for w, n in sorted(generating.items())]
         if scoring:
-            parts.append(f"rewards of {len(scoring)} groups")
+            parts.append(f"rewards of {scoring} groups")
         return (f"no progress for {self.watchdog_s:g} s in phase rollout: waiting on {', '.join(parts)} "
                 "(cluster.watchdog_s)")
 
-    def _samples(self, prompt: EncodedPrompt, completion: Completion, group_id: int) -> list[Sample]:
+    def unscored_samples(self, prompt: EncodedPrompt, completion: Completion, group_id: int) -> list[Sample]:
         """The group's samples, not yet scored."""
         samples = []
         for slot, output in enumerate(completion.outputs):
@@ -215,9 +217,8 @@ class RolloutScheduler:
             ))
         return samples
 
-    def _score(self, prompt: EncodedPrompt, completion: Completion, group_id: int) -> list[Sample]:
+    def score_now(self, prompt: EncodedPrompt, samples: list[Sample]) -> list[Sample]:
         """Score a group sample by sample on the driver (a plain `(completion, **row)` reward function)."""
-        samples = self._samples(prompt, completion, group_id)
         for sample in samples:
             try:
                 sample.reward, sample.rewards = self.reward_fn(sample.response_text, **prompt.row)
@@ -225,17 +226,17 @@ class RolloutScheduler:
                 _fail(sample, err)
         return samples
 
-    def _submit(self, prompt: EncodedPrompt, completion: Completion, group_id: int) -> _GroupScoring:
-        """Send the group to the model rewards and compute its plain rewards (`CombinedReward.submit_group`).
+    def submit_scoring(self, prompt: EncodedPrompt, samples: list[Sample]) -> GroupScoring:
+        """Send the group to the model rewards and start its plain rewards (`CombinedReward.submit_group`);
+        `finish_scoring` completes it once its futures are done.
 
         An error starting a reward worker propagates: the run cannot score anything without it.
         """
-        samples = self._samples(prompt, completion, group_id)
         pending = self.reward_fn.submit_group([s.response_text for s in samples], [prompt.row] * len(samples))
-        return _GroupScoring(samples, pending, [_MISSING] * len(pending.futures))
+        return GroupScoring(samples, pending, [MISSING] * len(pending.futures))
 
     @staticmethod
-    def _finish(group: _GroupScoring) -> list[Sample]:
+    def finish_scoring(group: GroupScoring) -> list[Sample]:
         for sample, outcome in zip(group.samples, group.pending.finish(group.results)):
             if isinstance(outcome, Exception):  # a broken reward fails its sample, never the step
                 _fail(sample, outcome)
@@ -245,12 +246,12 @@ class RolloutScheduler:
 
 
 @dataclass
-class _GroupScoring:
+class GroupScoring:
     """A group whose model rewards are being scored: its samples and the results that have arrived."""
 
     samples: list[Sample]
     pending: PendingGroup
-    results: list[Any]  # one per model-reward future: its values, the exception getting them raised, or _MISSING
+    results: list[Any]  # one per model-reward future: its values, the exception getting them raised, or MISSING
 
 
 def _fail(sample: Sample, err: Exception) -> None:

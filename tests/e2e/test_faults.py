@@ -213,7 +213,8 @@ def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_sess
     config = load_config(None, [*SMALL, "reward.functions=[{name: 'user_rewards:always_fails'}]", "data.eval=null",
                                 "name=broken", f"output.dir={tmp_path}"])
     message = _assert_one_line(_run_until_it_fails(config), StepFailedError)
-    assert message == "step 1: all 16 samples failed; the first failed with: RuntimeError: this reward is broken"
+    # 4 prompts x 4 samples, and the 4 prompts that refilled the failed groups (rollout.max_refill_prompts)
+    assert message == "step 1: all 32 samples failed; the first failed with: RuntimeError: this reward is broken"
     assert not (config.run_dir / "checkpoints").exists()  # nothing trained, nothing saved
 
 

@@ -70,7 +70,8 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert "resumed from" in result.stdout
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2, 3, 4]
     state = json.loads((run_dir / "checkpoints" / "step_4" / "driver_state.json").read_text())
-    assert state["step"] == 4 and state["sampler"]["position"] == 16  # 4 steps x 4 prompts
+    assert state["step"] == 4 and state["stream"]["sampler"]["position"] == 16  # 4 steps x 4 prompts
+    assert state["stream"]["pending"] == []  # a synchronous step leaves nothing in flight
     assert _changed_tensors(model_dir, run_dir / "checkpoints" / "step_4" / "model") > 0
 
 

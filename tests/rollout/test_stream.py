@@ -1,0 +1,233 @@
+"""The streaming rollout: group lifecycle, refill within its bound, over-provisioning and long rounds, the
+staleness bound under random timings, and resuming with groups in flight."""
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from rollflow.data.prompts import EncodedPrompt, PromptSampler
+from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
+from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.rollout.stream import RolloutStream, StreamSettings
+
+
+class _FakeEngine:
+    """An engine worker: prompt [k] answers `k % 7` after `delays[k]` seconds (default 0), one token per
+    `tokens[k]`; every token carries the engine's current version, read as each token is "sampled"."""
+
+    def __init__(self, delays: dict[int, float] | None = None, tokens: dict[int, int] | None = None,
+                 jitter: float = 0.0, seed: int = 0):
+        self.delays, self.tokens, self.jitter = delays or {}, tokens or {}, jitter
+        self.random = random.Random(seed)
+        self.version, self.aborted, self.requests = 0, set(), []
+
+    async def _one(self, request):
+        key = request.prompt_ids[0]
+        self.requests.append(key)
+        length = min(self.tokens.get(key, 1), request.params.max_new_tokens)
+        delay = self.delays.get(key, 0.0) + self.random.uniform(0, self.jitter)
+        outputs = []
+        for _ in range(request.params.n):
+            versions = []
+            for _ in range(length):
+                await asyncio.sleep(delay / length)
+                if request.request_id in self.aborted:
+                    break
+                versions.append(self.version)
+            reason = "abort" if request.request_id in self.aborted else "stop"
+            outputs.append(CompletionOutput([key % 7] * len(versions), [-0.1] * len(versions), versions, reason))
+        return Completion(request.request_id, outputs, {})
+
+    async def generate(self, request):
+        return await self._one(request)
+
+    async def generate_batch(self, requests):
+        return list(await asyncio.gather(*[self._one(r) for r in requests]))
+
+    async def abort(self, request_ids):
+        self.aborted.update(request_ids)
+
+    async def set_version(self, version):
+        self.version = version
+
+    async def seen(self):
+        return list(self.requests)
+
+
+def _reward(completion, **row):
+    """1 for prompts whose key is even, else 0; prompts with key % 10 == 9 raise."""
+    if row["key"] % 10 == 9:
+        raise ValueError("broken row")
+    return float(row["key"] % 2 == 0), {"even": float(row["key"] % 2 == 0)}
+
+
+def _prompts(count: int) -> list[EncodedPrompt]:
+    return [EncodedPrompt({"key": k}, f"p{k}", [k]) for k in range(count)]
+
+
+def _stream(workers, settings, prompts, deterministic=False, n=2, reward=_reward, max_new_tokens=16):
+    scheduler = RolloutScheduler(workers, reward, decode=str, max_in_flight=64, seed=3,
+                                 deterministic=deterministic, watchdog_s=30)
+    sampler = PromptSampler(prompts, settings.prompts_per_step, seed=0, shuffle=False)
+    return RolloutStream(scheduler, sampler, SamplingParams(max_new_tokens, n=n), settings)
+
+
+def _keys(result):
+    return sorted({s.row["key"] for s in result.samples if s.status.value in ("finished", "truncated")})
+
+
+@pytest.fixture
+def engine(ray_session):
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote()
+    yield worker
+    ray.kill(worker)
+
+
+def test_a_synchronous_step_consumes_its_prompts_in_order_and_counts_each_state(engine):
+    stream = _stream([engine], StreamSettings(prompts_per_step=4), _prompts(20), deterministic=True)
+    first = stream.next_batch(step=1, policy_version=0)
+    assert _keys(first) == [0, 1, 2, 3]
+    assert first.metrics["rollout/groups/consumed"] == 4
+    assert first.metrics["rollout/groups/queued"] == first.metrics["rollout/groups/generating"] == 0
+    assert first.metrics["staleness/mean"] == 0
+    second = stream.next_batch(step=2, policy_version=0)
+    assert _keys(second) == [4, 5, 6, 7]
+
+
+def test_a_reward_that_raises_fails_its_group_and_a_new_prompt_takes_its_place(engine):
+    # prompt 9 raises in the reward: its group fails, is counted, and prompt 12 refills the batch
+    stream = _stream([engine], StreamSettings(prompts_per_step=4, max_refill_prompts=2), _prompts(30))
+    for step in (1, 2, 3):
+        result = stream.next_batch(step=step, policy_version=0)
+    assert result.metrics["rollout/groups/failed"] == 1
+    assert result.metrics["rollout/refill_prompts"] == 1
+    assert _keys(result) == [8, 10, 11, 12]
+    failed = [s for s in result.samples if s.status.value == "failed"]
+    assert failed and all(s.row["key"] == 9 and "broken row" in s.metadata["error"] for s in failed)
+    assert len({s.group_id for s in result.samples if s.status.value == "finished"}) == 4
+
+
+def test_refill_replaces_filtered_groups_until_its_bound(engine):
+    # groups of keys divisible by 3 get rewards [1, 0] (kept by the mask (0, 1)), the others [0, 0] (dropped)
+    def mixed_on_multiples_of_three(completion, **row):
+        return float(row["key"] % 3 == 0 and mixed_on_multiples_of_three.calls.__next__() % 2 == 0), {}
+
+    import itertools
+
+    mixed_on_multiples_of_three.calls = itertools.count()
+    settings = StreamSettings(prompts_per_step=3, max_refill_prompts=4, difficulty_mask=(0.0, 1.0))
+    stream = _stream([engine], settings, _prompts(40), reward=mixed_on_multiples_of_three)
+    result = stream.next_batch(step=1, policy_version=0)
+    # keys 0, 3, 6 are the only mixed groups among 0..6: 4 refills (keys 3..6) after the first 3 prompts
+    trained = {s.row["key"] for s in result.samples if s.status.value == "finished"}
+    assert trained == {0, 3, 6}
+    assert result.metrics["rollout/refill_prompts"] == 4
+    assert result.metrics["rollout/groups/filtered"] == 4
+    assert result.metrics["rollout/refill_bound_hit"] == 0
+    # the next step: only key 9 of 7..10 is a multiple of 3 (and it raises): the bound is hit with 0 groups
+    bounded = stream.next_batch(step=2, policy_version=0)
+    assert bounded.metrics["rollout/refill_bound_hit"] == 1
+    assert bounded.metrics["rollout/refill_prompts"] == 4
+    assert bounded.metrics["rollout/groups/consumed"] <= 2
+
+
+def test_overprovisioning_aborts_the_slowest_groups_and_runs_them_in_a_long_round(ray_session):
+    slow = {5: 3.0, 11: 3.0}  # two long-tail prompts
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays=slow, tokens={5: 8, 11: 8})
+    settings = StreamSettings(prompts_per_step=4, overprovision=1.5, long_round_every=3)
+    stream = _stream([worker], settings, _prompts(40))
+    first = stream.next_batch(step=1, policy_version=0)  # launches 0..5, keeps four of 0..4
+    assert 5 not in _keys(first)
+    assert first.metrics["rollout/groups/aborted"] >= 1 and first.metrics["rollout/long_queue"] == 1
+    second = stream.next_batch(step=2, policy_version=1)
+    assert 5 not in _keys(second) and 11 not in _keys(second)
+    long = stream.next_batch(step=3, policy_version=2)  # the long round runs 5 and 11 to the end
+    assert long.metrics["rollout/long_round"] == 1
+    assert {5, 11} <= set(_keys(long))
+    long_samples = [s for s in long.samples if s.row["key"] in (5, 11)]
+    assert all(len(s.response_ids) == 8 for s in long_samples)
+    ray.kill(worker)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_asynchronous_batches_never_exceed_the_staleness_bound(ray_session, max_staleness):
+    """Random generation times and random training times: every trained sample's oldest token is at most
+    `max_staleness` versions behind the trainer, and the stream runs ahead (some samples are stale > 0)."""
+    workers = [ray.remote(num_cpus=0)(_FakeEngine).remote(jitter=0.08, seed=s, tokens={k: 3 for k in range(200)})
+               for s in range(2)]
+    settings = StreamSettings(prompts_per_step=4, max_staleness=max_staleness, max_refill_prompts=8)
+    stream = _stream(workers, settings, _prompts(200))
+    rng, seen, staleness = random.Random(0), [], []
+    try:
+        for version in range(12):
+            result = stream.next_batch(step=version + 1, policy_version=version)
+            staleness += [version - min(s.policy_versions) for s in result.samples if s.status.value == "finished"]
+            seen += _keys(result)
+            time.sleep(rng.uniform(0, 0.15))  # "training"
+            ray.get([w.set_version.remote(version + 1) for w in workers])  # the weight sync
+    finally:
+        stream.close()
+    assert max(staleness) <= max_staleness
+    assert max(staleness) >= 1  # it did run ahead
+    assert len(seen) == len(set(seen))  # no prompt trained twice
+    for worker in workers:
+        ray.kill(worker)
+
+
+def test_resume_regenerates_what_was_in_flight_and_skips_nothing(ray_session):
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={k: 2 for k in range(100)}, jitter=0.05)
+    settings = StreamSettings(prompts_per_step=4, max_staleness=1)
+    def constant(completion, **row):
+        return 1.0, {}
+
+    stream = _stream([worker], settings, _prompts(100), reward=constant)
+    trained = []
+    for step in (1, 2, 3):
+        trained += _keys(stream.next_batch(step=step, policy_version=step - 1))
+    state = stream.state()  # taken with the next steps' groups in flight
+    stream.close()
+    assert state["pending"], "the producer runs ahead: something must be in flight"
+    resumed = _stream([worker], settings, _prompts(100), reward=constant)
+    resumed.load_state(state)
+    try:
+        for step in (4, 5, 6):
+            trained += _keys(resumed.next_batch(step=step, policy_version=step - 1))
+        final = resumed.state()
+    finally:
+        resumed.close()
+    assert {entry["index"] for entry in state["pending"]} <= set(trained) | {e["index"] for e in final["pending"]}
+    # every prompt drawn was trained once or is still pending: none skipped, none twice
+    held = [entry["index"] for entry in final["pending"]]
+    assert sorted(trained + held) == list(range(final["next_index"]))
+    ray.kill(worker)
+
+
+@pytest.mark.parametrize("partial_rollout", ["continue", "resubmit"])
+def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_session, partial_rollout):
+    """Updates land while groups generate: every trained sample still has all its tokens, its versions never
+    decrease, some samples switch version mid-response, and `resubmit` sends unfinished samples again."""
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays={k: 0.3 for k in range(100)},
+                                                        tokens={k: 6 for k in range(100)})
+    settings = StreamSettings(prompts_per_step=2, max_staleness=2, partial_rollout=partial_rollout)
+    stream = _stream([worker], settings, _prompts(100), reward=lambda completion, **row: (1.0, {}),
+                     max_new_tokens=6)
+    samples, resubmitted = [], 0.0
+    try:
+        for version in range(6):
+            result = stream.next_batch(step=version + 1, policy_version=version)
+            samples += result.samples
+            resubmitted += result.metrics["rollout/resubmitted_samples"]
+            time.sleep(0.07)  # "training"
+            ray.get(worker.set_version.remote(version + 1))
+            stream.weights_updated()
+    finally:
+        stream.close()
+    assert samples and all(len(s.response_ids) == 6 == len(s.policy_versions) == len(s.response_logprobs)
+                           for s in samples)
+    assert all(s.policy_versions == sorted(s.policy_versions) for s in samples)
+    assert any(len(set(s.policy_versions)) > 1 for s in samples)  # a switch mid-response
+    assert (resubmitted > 0) == (partial_rollout == "resubmit")
+    ray.kill(worker)
