@@ -1,4 +1,4 @@
-"""hf engine decode throughput against transformers' `model.generate` on the same work.
+"""hf engine decode throughput against transformers' `model.generate`, and continuous batching on a stream.
 
 Both sides sample (temperature 1, no top-k / top-p) the same prompts in one batch of
 `prompts x samples` sequences, with the same model (`generate` gets its own copy, with transformers'
@@ -10,7 +10,16 @@ Two configs: the RL default of the bundled task (add2 prompts, 6 new tokens, EOS
 (EOS ignored on both sides, so both produce exactly prompts x samples x long_tokens tokens). The long
 config stays within the tiny model's 64 positions: 7 prompt tokens + 56 new ones.
 
+A third scenario streams requests in: `--prompts` requests of `--samples` samples arriving one by one
+(seeded Poisson arrivals, mean `--interval-ms` apart), a `--long-fraction` of them forced 8x longer
+(`min_new_tokens = max_new_tokens = 8 x --tokens`, the long tail of an RL rollout; 7 + 48 positions fit
+the tiny model's 64), the others with `--tokens` new tokens and EOS allowed. The same stream runs with
+continuous batching on and off (waves), alternating, and reports generated tokens per second (first
+arrival to last completion) and the mean and 90th-percentile request latency (arrival to completion) of
+each, median of `--repeats` after a warm-up. Requests are seeded, so both modes generate the same tokens.
+
 Usage: python bench/engine_throughput.py [--prompts 64] [--samples 8] [--tokens 6] [--long-tokens 56]
+       [--interval-ms 10] [--long-fraction 0.1]
 Prints one JSON line.
 """
 
@@ -19,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -114,6 +125,84 @@ def measure(engine: HFEngine, reference, prompts, samples: int, tokens: int, rep
             "cpu_ratio": round(median["engine_cpu"] / median["generate_cpu"], 3)}
 
 
+def stream_requests(prompts: list[list[int]], samples: int, tokens: int, long_fraction: float,
+                    seed: int = 0) -> list[GenerationRequest]:
+    """One seeded request per prompt; `long_fraction` of them (chosen at random) forced to 8x `tokens`."""
+    rng = random.Random(seed)
+    long = set(rng.sample(range(len(prompts)), round(long_fraction * len(prompts))))
+    short = SamplingParams(max_new_tokens=tokens, temperature=1.0, n=samples)
+    forced = SamplingParams(max_new_tokens=8 * tokens, min_new_tokens=8 * tokens, temperature=1.0, n=samples)
+    return [GenerationRequest(f"s{i}", prompt, replace(forced if i in long else short, seed=i))
+            for i, prompt in enumerate(prompts)]
+
+
+def stream_run(engine: HFEngine, requests: list[GenerationRequest], interval_s: float,
+               seed: int = 0) -> tuple[int, float, float, list[float]]:
+    """Submit `requests` at seeded Poisson arrival times. Returns (generated tokens, wall seconds from the
+    first arrival to the last completion, CPU seconds of this process meanwhile, each request's latency
+    from its arrival to its completion)."""
+    rng = random.Random(seed)
+    arrivals = [0.0]
+    for _ in requests[1:]:
+        arrivals.append(arrivals[-1] + rng.expovariate(1 / interval_s))
+
+    async def one(request, arrived):
+        completion = await engine.generate(request)
+        return completion, time.perf_counter() - arrived
+
+    async def run():
+        start = time.perf_counter()
+        tasks = []
+        for request, arrival in zip(requests, arrivals):
+            await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(one(request, time.perf_counter())))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+    cpu_start = time.process_time()
+    results, seconds = asyncio.run(run())
+    cpu_seconds = time.process_time() - cpu_start
+    count = sum(len(o.token_ids) for completion, _ in results for o in completion.outputs)
+    return count, seconds, cpu_seconds, [latency for _, latency in results]
+
+
+def measure_stream(engine: HFEngine, requests: list[GenerationRequest], interval_s: float,
+                   repeats: int) -> dict:
+    """Tokens/s and mean / p90 request latency of one stream with continuous batching on and off.
+
+    The two modes alternate within each repeat (same machine load); medians over repeats, warm-up excluded.
+    Tokens per CPU second measure the work each mode spends per token (idle waits for arrivals cost none).
+    """
+    modes = {"continuous": True, "waves": False}
+    runs: dict[str, dict[str, list[float]]] = {
+        mode: {"rate": [], "cpu_rate": [], "mean": [], "p90": [], "tokens": []} for mode in modes}
+    try:
+        for attempt in range(repeats + 1):  # run 0 is the warm-up
+            for mode, continuous in modes.items():
+                engine.continuous_batching = continuous
+                count, seconds, cpu_seconds, latencies = stream_run(engine, requests, interval_s)
+                if attempt:
+                    runs[mode]["rate"].append(count / seconds)
+                    runs[mode]["cpu_rate"].append(count / cpu_seconds)
+                    runs[mode]["mean"].append(statistics.mean(latencies))
+                    runs[mode]["p90"].append(statistics.quantiles(latencies, n=10)[-1])
+                    runs[mode]["tokens"].append(count)
+    finally:
+        engine.continuous_batching = True
+    result = {}
+    for mode, values in runs.items():
+        median = {name: statistics.median(v) for name, v in values.items()}
+        result[mode] = {"tokens": round(median["tokens"]), "tokens_per_s": round(median["rate"]),
+                        "tokens_per_cpu_s": round(median["cpu_rate"]),
+                        "mean_latency_s": round(median["mean"], 3), "p90_latency_s": round(median["p90"], 3)}
+    continuous, waves = result["continuous"], result["waves"]
+    result["throughput_ratio"] = round(continuous["tokens_per_s"] / waves["tokens_per_s"], 3)
+    result["cpu_ratio"] = round(continuous["tokens_per_cpu_s"] / waves["tokens_per_cpu_s"], 3)
+    for name in ("mean_latency_s", "p90_latency_s"):  # waves / continuous: how many times faster
+        result[f"{name[:-2]}_speedup"] = round(waves[name] / continuous[name], 3)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -122,6 +211,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6)
     parser.add_argument("--long-tokens", type=int, default=56)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--interval-ms", type=float, default=10.0)
+    parser.add_argument("--long-fraction", type=float, default=0.1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = encoded_prompts(args.model, args.prompts)
@@ -129,9 +220,14 @@ def main() -> None:
     reference = load_causal_lm(args.model)  # the same weights with transformers' own attention for generate
     short = measure(engine, reference, prompts, args.samples, args.tokens, args.repeats, ignore_eos=False)
     long = measure(engine, reference, prompts, args.samples, args.long_tokens, args.repeats, ignore_eos=True)
+    requests = stream_requests(prompts, args.samples, args.tokens, args.long_fraction)
+    stream = measure_stream(engine, requests, args.interval_ms / 1000, args.repeats)
     print(json.dumps({"model": args.model, "batch": args.prompts * args.samples, "threads": 1,
                       "repeats": args.repeats,
-                      f"short_{args.tokens}_tokens": short, f"long_{args.long_tokens}_tokens": long}))
+                      f"short_{args.tokens}_tokens": short, f"long_{args.long_tokens}_tokens": long,
+                      "stream": {"requests": len(requests), "samples": args.samples,
+                                 "interval_ms": args.interval_ms, "long_fraction": args.long_fraction,
+                                 "long_tokens": 8 * args.tokens, **stream}}))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
-"""`hf` engine: batched KV-cache decoding with plain transformers models, on CPU or GPU.
+"""`hf` engine: continuous-batching KV-cache decoding with plain transformers models, on CPU or GPU.
 
-Requests queue up; a runner coroutine takes every pending sequence (up to `max_batch_size`) into one
-"wave": a left-padded prefill of each request's prompt (once, shared by its `n` samples), then a
-token-by-token decode loop that yields to the event loop between tokens, so `abort` and new `generate`
-calls are served while a wave runs. A request's future resolves as
-soon as all of its sequences finish, while the rest of the wave keeps decoding, so its rewards can be
-computed early. Requests that arrive during a wave join the next one. When decoding raises (a CUDA
-error, NaN logits from non-finite weights), every request still queued or in the wave fails with one
-`EngineError` and the next `generate` starts afresh.
+One decode batch runs while there is work. Requests queue up; at every token boundary the runner admits
+queued requests while the batch has room (`max_batch_size` running sequences): it prefills their prompts
+(once per request, shared by its `n` samples) and merges their KV cache into the running one, aligned by
+left padding, so each row computes exactly what it would alone. Rows leave the batch as they finish, and
+a request's future resolves as soon as all of its samples finish, so its rewards can be computed early.
+The decode loop yields to the event loop between tokens, so `abort`, `generate` and `update_weights` are
+served mid-generation. With `continuous_batching=False` requests wait until the batch is empty (the
+"wave" baseline the benchmark compares against).
+
+Partial rollout: `update_weights` between tokens changes the weights the next token is sampled with;
+samples in flight keep their tokens and continue, each token tagged with the version that sampled it.
+Their KV cache (prompt and earlier tokens) stays as the old weights computed it.
+
+When decoding raises (a CUDA error, NaN logits from non-finite weights), every request still queued or in
+the batch fails with one `EngineError` and the next `generate` starts afresh.
 
 The engine runs on the caller's event loop (no thread of its own): call every method from that loop's
 thread.
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -53,13 +61,18 @@ class HFEngine:
     Args:
         model_path: bundled name, local HF directory or hub id.
         dtype: "float32" | "bfloat16" | "float16".
-        max_batch_size: most sequences decoded together in one wave.
+        max_batch_size: most sequences decoded together.
         seed: seed of the sampling generator.
         device: torch device ("cpu", "cuda").
+        continuous_batching: admit queued requests into the running batch at every token (True), or only
+            once the batch is empty (False: decoding in waves).
+
+    `stats`: `tokens` sampled, `prefills` (one per admission, however many requests it admits), `waves`
+    (times decoding started on an empty batch), `decode_seconds` (wall time with a batch running).
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", max_batch_size: int = 256, seed: int = 0,
-                 device: str = "cpu", trust_remote_code: bool = False):
+                 device: str = "cpu", trust_remote_code: bool = False, continuous_batching: bool = True):
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
         if self.device.type == "cpu":
@@ -68,13 +81,14 @@ class HFEngine:
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         self.max_batch_size = max_batch_size
+        self.continuous_batching = continuous_batching
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._lifecycle = EngineLifecycle()
         self._queue: deque[_Pending] = deque()
-        self._unresolved: set[_Pending] = set()  # queued or in a wave; what close() must resolve
-        self._aborted: set[str] = set()
+        self._unresolved: set[_Pending] = set()  # queued or in the batch; what close() must resolve
+        self._aborted: set[str] = set()  # ids of requests in the batch that the next token step drops
         self._runner: asyncio.Task | None = None
-        self.stats = {"tokens": 0, "waves": 0, "decode_seconds": 0.0}
+        self.stats = {"tokens": 0, "prefills": 0, "waves": 0, "decode_seconds": 0.0}
 
     @property
     def version(self) -> int:
@@ -93,15 +107,25 @@ class HFEngine:
         return await pending.future
 
     def abort(self, request_ids: list[str]) -> None:
-        """Stop these requests; their futures resolve with what was generated so far (`abort`)."""
-        self._aborted.update(request_ids)
-        for pending in [p for p in self._queue if p.request.request_id in self._aborted]:
+        """Stop these requests; their futures resolve with what was generated so far (`abort`).
+
+        Queued requests resolve at once; requests in the batch at the next token boundary. Unknown or
+        finished ids are ignored.
+        """
+        ids = set(request_ids)
+        for pending in [p for p in self._queue if p.request.request_id in ids]:
             self._queue.remove(pending)
             outputs = [CompletionOutput(finish_reason="abort") for _ in range(pending.request.params.n)]
             self._resolve(pending, outputs)
+        self._aborted.update(ids & {p.request.request_id for p in self._unresolved})
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load trainer weights in place; KeyError, before any is loaded, for names the model lacks."""
+        """Load trainer weights in place; KeyError, before any is loaded, for names the model lacks.
+
+        May be called between tokens of running requests (partial rollout): their later tokens are
+        sampled with the new weights and carry `version`; the KV cache of their earlier tokens is kept as
+        the old weights computed it.
+        """
         self._lifecycle.check_open()
         params = dict(self.model.named_parameters())
         unknown = sorted(set(named_tensors) - set(params))
@@ -126,8 +150,8 @@ class HFEngine:
         """Stop decoding, resolve every unfinished request and drop the model (idempotent).
 
         Each unfinished request resolves at once: samples that already finished keep their output, the
-        others end "abort" with no tokens (tokens of a running wave are not copied out of its buffers).
-        Later `generate` / `update_weights` / `sleep` / `wake` calls raise RuntimeError.
+        others end "abort" with no tokens (tokens of a running sample are not copied out of the batch's
+        buffers). Later `generate` / `update_weights` / `sleep` / `wake` calls raise RuntimeError.
         """
         if not self._lifecycle.close():
             return
@@ -136,7 +160,7 @@ class HFEngine:
         for pending in list(self._unresolved):
             if pending.future.get_loop().is_closed():  # its loop is gone, and whoever awaited it with it
                 continue
-            # In a wave, `outputs` holds finished samples and "abort" placeholders; queued, it is empty.
+            # In the batch, `outputs` holds finished samples and "abort" placeholders; queued, it is empty.
             outputs = pending.outputs or [CompletionOutput(finish_reason="abort")
                                           for _ in range(pending.request.params.n)]
             self._resolve(pending, outputs)
@@ -147,18 +171,25 @@ class HFEngine:
 
     # ---- decoding ------------------------------------------------------------------------------------
     async def _run(self) -> None:
-        """Decode waves until the queue is empty; a failure fails every unresolved request (none waits)."""
+        """Decode while requests are queued or running, admitting arrivals at token boundaries; a failure
+        fails every unresolved request (none waits)."""
+        batch: _Batch | None = None
         try:
-            while self._queue:
-                await self._gather_arrivals()
-                wave: list[_Pending] = []
-                sequences = 0
-                while self._queue and (not wave or sequences + self._queue[0].request.params.n
-                                       <= self.max_batch_size):
-                    pending = self._queue.popleft()
-                    wave.append(pending)
-                    sequences += pending.request.params.n
-                await self._decode_wave(wave)
+            while self._queue or batch is not None:
+                if batch is None:
+                    await self._gather_arrivals()
+                admitted = self._admit(batch)
+                if admitted:
+                    batch = self._join(batch, admitted)
+                if batch is not None and not self._sample_step(batch):
+                    self.stats["decode_seconds"] += time.perf_counter() - batch.started
+                    batch = None
+                # abort / generate / update_weights calls land here, between a token's sampling and the
+                # forward that computes the next one's logits: a token's version is that of the weights
+                # that computed its logits.
+                await asyncio.sleep(0)
+                if batch is not None:
+                    self._feed(batch)
         except asyncio.CancelledError:
             if not self._lifecycle.closed:  # close() resolves them itself; anyone else cancelling fails them
                 self._fail_unresolved(RuntimeError("the decode loop was cancelled"))
@@ -167,19 +198,19 @@ class HFEngine:
             self._fail_unresolved(err)
 
     def _fail_unresolved(self, cause: BaseException) -> None:
-        """Fail every queued or in-wave request with `decoding_failed(cause)`; later requests start afresh."""
+        """Fail every queued or in-batch request with `decoding_failed(cause)`; later ones start afresh."""
         for pending in list(self._unresolved):
-            self._aborted.discard(pending.request.request_id)
             if not pending.future.done() and not pending.future.get_loop().is_closed():
                 pending.future.set_exception(decoding_failed("hf", cause))
         self._unresolved.clear()
         self._queue.clear()
+        self._aborted.clear()
 
     async def _gather_arrivals(self, settle_s: float = 0.002, max_wait_s: float = 0.05) -> None:
-        """Let requests that are arriving right now join this wave instead of each starting its own.
+        """Let requests that are arriving right now start decoding together instead of one by one.
 
-        Waits while the queue keeps growing (at most `max_wait_s`); a wave is one prefill plus a decode
-        loop, so 500 single-sample requests in one wave cost about what one request does.
+        Waits, before decoding starts on an empty batch, while the queue keeps growing (at most
+        `max_wait_s`): one prefill of 500 single-sample requests costs about what one request's does.
         """
         deadline = time.perf_counter() + max_wait_s
         size = -1
@@ -187,80 +218,88 @@ class HFEngine:
             size = len(self._queue)
             await asyncio.sleep(settle_s)
 
-    def _resolve(self, pending: _Pending, outputs: list[CompletionOutput]) -> None:
-        self._aborted.discard(pending.request.request_id)
-        self._unresolved.discard(pending)
-        if not pending.future.done():
-            metadata = {"seconds": time.perf_counter() - pending.submitted,
-                        "version": self._lifecycle.version}
-            pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
+    def _admit(self, batch: _Batch | None) -> list[_Pending]:
+        """The queued requests that join the batch now, first come first served.
 
-    async def _decode_wave(self, wave: list[_Pending]) -> None:
-        """Prefill every request's prompt once, then decode all of its `n` rows together until each stops.
-
-        The decode loop is written so the per-token work is a handful of batched tensor ops: tokens and
-        logprobs go into preallocated `[N, T]` buffers, stop / length checks are one comparison, and
-        Python touches a row only when it finishes. Rows that finished are dropped from the batch (and
-        their KV cache) once a quarter of it is idle, so short answers stop costing compute.
+        Requests join while the running sequences stay within `max_batch_size` (a request larger than that
+        runs alone). They wait for an empty batch when continuous batching is off, or when the model's
+        KV cache is not one this engine can merge (sliding-window or linear-attention layers).
         """
-        started = time.perf_counter()
+        running = 0 if batch is None else batch.running
+        if batch is not None and not (self.continuous_batching and batch.mergeable):
+            return []
+        admitted = []
+        while self._queue:
+            n = self._queue[0].request.params.n
+            if (admitted or running) and running + n > self.max_batch_size:
+                break
+            admitted.append(self._queue.popleft())
+            running += n
+        return admitted
+
+    def _join(self, batch: _Batch | None, admitted: list[_Pending]) -> _Batch:
+        """Prefill the admitted requests' prompts and add their rows to `batch` (or start one).
+
+        One prefill per request, not per sample: the `n` rows of a request share their prompt's KV cache.
+        """
         rows = [_Row(pending, slot, self._row_generator(pending.request.params, slot))
-                for pending in wave for slot in range(pending.request.params.n)]
-        for pending in wave:
+                for pending in admitted for slot in range(pending.request.params.n)]
+        for pending in admitted:
             # "abort" until the sample finishes (`_finish_row` sets the reason), so close() can resolve
-            # a request mid-wave with the right reason on every sample.
+            # a request mid-batch with the right reason on every sample.
             pending.outputs = [CompletionOutput(finish_reason="abort")
                                for _ in range(pending.request.params.n)]
             pending.unfinished = pending.request.params.n
-        state = _WaveState.build(rows, self.eos_ids, self.device, self.generator)
-
-        # One prefill per request, not per sample: the n rows of a request share their prompt's KV cache.
-        prompts = [p.request.prompt_ids for p in wave]
-        input_ids, attention = left_pad(prompts, self.pad_id, self.device)  # [R, P]
+        input_ids, attention = left_pad([p.request.prompt_ids for p in admitted], self.pad_id,
+                                        self.device)  # [R, P]
         positions = (attention.cumsum(1) - 1).clamp(min=0)  # [R, P]
         logits, cache = self._forward(input_ids, attention, positions, None)  # [R, V]; None: a new cache
-        request_of_row = torch.tensor([i for i, p in enumerate(wave) for _ in range(p.request.params.n)],
-                                      device=self.device)  # [N]
-        if len(rows) != len(wave):
+        if len(rows) != len(admitted):
+            request_of_row = torch.tensor([i for i, p in enumerate(admitted)
+                                           for _ in range(p.request.params.n)], device=self.device)  # [N]
             cache.batch_select_indices(request_of_row)
             logits, attention = logits[request_of_row], attention[request_of_row]  # [N, V], [N, P]
-            positions = positions[request_of_row]  # [N, P]
+        self.stats["prefills"] += 1
+        joining = _Batch.build(rows, logits, cache, attention, self.eos_ids, self.generator)
+        if batch is None:
+            self.stats["waves"] += 1
+            return joining
+        batch.merge(joining, self.generator)
+        return batch
 
-        step = 0
-        while True:
-            self._drop_aborted(state, step)
-            active_rows = int(state.active.sum())
-            if not active_rows:
-                break
-            tokens, logprobs = self._sample(logits, state, step)  # [B], [B]
-            state.versions.append(self._lifecycle.version)
-            state.tokens[state.origin, step] = tokens
-            state.logprobs[state.origin, step] = logprobs
-            step += 1
-            self.stats["tokens"] += active_rows
-            stopped = (tokens.unsqueeze(1) == state.stop_ids).any(1)  # [B]
-            finished = state.active & (stopped | (state.limits <= step))  # [B]
-            done = torch.nonzero(finished).flatten().tolist()
-            for i in done:  # Python sees a row only when it finishes
-                self._finish_row(state, state.rows[i], step, "stop" if stopped[i] else "length")
-            if done:
-                state.active &= ~finished
-            if active_rows == len(done):
-                break
-            if 4 * (active_rows - len(done)) <= 3 * len(state.rows):  # a quarter of the batch idles: drop it
-                keep = torch.nonzero(state.active).flatten()  # [B']
-                cache.batch_select_indices(keep)
-                tokens, attention, positions = tokens[keep], attention[keep], positions[keep]
-                state.select(keep)
-            attention = torch.cat([attention, state.active.long().unsqueeze(1)], dim=1)  # [B, P + step]
-            positions = positions[:, -1:] + 1  # [B, 1]
-            logits, cache = self._forward(tokens.unsqueeze(1), attention, positions, cache)
-            await asyncio.sleep(0)  # let abort / generate calls in between tokens
-        for pending in wave:  # rows still unresolved (all aborted before their first token)
-            if not pending.future.done():
-                self._resolve(pending, pending.outputs)
-        self.stats["waves"] += 1
-        self.stats["decode_seconds"] += time.perf_counter() - started
+    def _sample_step(self, batch: _Batch) -> bool:
+        """Sample one token for every running row; False once no row runs.
+
+        The per-token work is a handful of batched tensor ops: tokens, logprobs and versions go into
+        preallocated `[B, W]` buffers at each row's own position, stop / length checks are one comparison,
+        and Python touches a row only when it finishes. Rows that finished leave the batch (and its KV
+        cache) once a quarter of it idles, or when requests join, so short answers stop costing compute.
+        """
+        self._drop_aborted(batch)
+        if not batch.running:
+            return False
+        tokens, logprobs = self._sample(batch)  # [B], [B]
+        batch.record(tokens, logprobs, self._lifecycle.version)
+        self.stats["tokens"] += batch.running
+        stopped = (tokens.unsqueeze(1) == batch.stop_ids).any(1)  # [B]
+        finished = batch.active & (stopped | (batch.lengths >= batch.limits))  # [B]
+        done = torch.nonzero(finished).flatten()  # [D]
+        if not len(done):
+            return True
+        for i, length, stop in zip(done.tolist(), batch.lengths[done].tolist(), stopped[done].tolist()):
+            self._finish_row(batch, i, length, "stop" if stop else "length")  # Python sees finished rows only
+        batch.active &= ~finished
+        batch.running -= len(done)
+        if batch.running and 4 * batch.running <= 3 * len(batch.rows):  # a quarter idles: drop it
+            batch.select(torch.nonzero(batch.active).flatten())
+        return batch.running > 0
+
+    def _feed(self, batch: _Batch) -> None:
+        """Run the model on every row's last sampled token: the next token's logits, one more cache column."""
+        batch.attention = torch.cat([batch.attention, batch.active.long().unsqueeze(1)], dim=1)  # [B, L + 1]
+        batch.logits, batch.cache = self._forward(batch.last_tokens.unsqueeze(1), batch.attention,
+                                                  batch.positions.unsqueeze(1), batch.cache)
+        batch.positions += batch.active  # finished rows keep their last position (never past their own)
 
     @torch.no_grad()
     def _forward(self, input_ids, attention, positions, cache):
@@ -277,63 +316,83 @@ class HFEngine:
         return torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, slot))
 
     @torch.no_grad()
-    def _sample(self, logits: torch.Tensor, state: _WaveState, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per batch row. Returns ([B] tokens, [B] logprobs of those tokens).
 
-        Logprobs are log-softmax(logits / temperature) before top-k / top-p (temperature 1 when greedy).
-        In a batch with seeded rows every row samples by inverse CDF from its own pre-drawn uniform for this
-        position (`_WaveState.uniforms`), so a seeded row's draw depends on nothing else in the batch.
+        Logprobs are log-softmax(logits / temperature) before top-k / top-p and before the
+        `min_new_tokens` mask (temperature 1 when greedy): the trainer recomputes them knowing neither.
+        In a batch with seeded rows every row samples by inverse CDF from its own pre-drawn uniform for its
+        own position (`_Batch.uniforms`), so a seeded row's draw depends on nothing else in the batch, nor
+        on when it joined.
         """
-        scaled = logits / state.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
+        scaled = batch.logits / batch.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
         log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
         # NaN / inf logits would make greedy rows emit garbage and sampled rows crash multinomial (a
         # device-side assert on CUDA, which poisons the process): refuse them here, in one clear line.
         if bool(torch.isnan(log_probs).any()):
             raise FloatingPointError("the model's logits are not finite (non-finite weights?)")
-        tokens = log_probs.argmax(-1)  # [B] greedy choice
-        if not state.all_greedy:
-            if state.needs_filter:
-                probs = torch.softmax(_filter_top_k_top_p(scaled, [row.params for row in state.rows]), dim=-1)
+        allowed = scaled  # [B, V] what rows sample from
+        if batch.any_min_tokens:
+            allowed = _ban_stop_ids(scaled, batch.stop_ids, batch.lengths < batch.min_tokens)
+            tokens = allowed.argmax(-1)  # [B] greedy choice
+        else:
+            tokens = log_probs.argmax(-1)  # [B] greedy choice
+        if not batch.all_greedy:
+            if batch.needs_filter:
+                probs = torch.softmax(_filter_top_k_top_p(allowed, batch.params), dim=-1)
+            elif batch.any_min_tokens:
+                probs = torch.softmax(allowed, dim=-1)
             else:
                 probs = log_probs.exp()  # [B, V]
-            if state.any_seeded:  # inverse CDF: the first token whose cumulative probability exceeds u
+            if batch.any_seeded:  # inverse CDF: the first token whose cumulative probability exceeds u
                 cdf = probs.cumsum(-1)  # [B, V]
-                u = state.uniforms[state.origin, step].unsqueeze(1) * cdf[:, -1:]  # [B, 1], below the total
+                u = batch.uniforms.gather(1, batch.lengths.unsqueeze(1))  # [B, 1] at each row's position
+                u = u * cdf[:, -1:]  # [B, 1], below the total
                 draws = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)  # [B]
             else:
                 draws = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]
-            tokens = torch.where(state.greedy, tokens, draws)
+            tokens = torch.where(batch.greedy, tokens, draws)
         return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
-    def _finish_row(self, state: _WaveState, row: _Row, length: int, reason: FinishReason) -> None:
-        """Copy a finished row's tokens out of the wave buffers; resolve its request once all rows are."""
+    def _finish_row(self, batch: _Batch, i: int, length: int, reason: FinishReason) -> None:
+        """Copy batch row `i`'s first `length` tokens out of the buffers; resolve its request once all
+        of its rows finished."""
+        row = batch.rows[i]
         out = row.pending.outputs[row.slot]
-        out.token_ids = state.tokens[row.index, :length].tolist()
-        out.logprobs = state.logprobs[row.index, :length].tolist()
-        out.policy_versions = state.versions[:length]
+        out.token_ids = batch.tokens[i, :length].tolist()
+        out.logprobs = batch.logprobs[i, :length].tolist()
+        out.policy_versions = batch.versions[i, :length].tolist()
         out.finish_reason = reason
         row.pending.unfinished -= 1
         if row.pending.unfinished == 0:
             self._resolve(row.pending, row.pending.outputs)
 
-    def _drop_aborted(self, state: _WaveState, step: int) -> None:
+    def _drop_aborted(self, batch: _Batch) -> None:
         if not self._aborted:
             return
-        for i in torch.nonzero(state.active).flatten().tolist():
-            row = state.rows[i]
+        for i in torch.nonzero(batch.active).flatten().tolist():
+            row = batch.rows[i]
             if row.pending.request.request_id in self._aborted:
-                state.active[i] = False
-                self._finish_row(state, row, step, "abort")
+                batch.active[i] = False
+                batch.running -= 1
+                self._finish_row(batch, i, int(batch.lengths[i]), "abort")
+
+    def _resolve(self, pending: _Pending, outputs: list[CompletionOutput]) -> None:
+        self._aborted.discard(pending.request.request_id)
+        self._unresolved.discard(pending)
+        if not pending.future.done():
+            metadata = {"seconds": time.perf_counter() - pending.submitted,
+                        "version": self._lifecycle.version}
+            pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
 
 
 @dataclass
 class _Row:
-    """One sequence of a wave: output `slot` of its request."""
+    """One sequence in the batch: output `slot` of its request."""
 
     pending: _Pending
     slot: int
     generator: torch.Generator | None
-    index: int = 0  # position in the wave's output buffers (fixed; batch positions change as rows finish)
 
     @property
     def params(self) -> SamplingParams:
@@ -341,62 +400,191 @@ class _Row:
 
 
 @dataclass
-class _WaveState:
-    """Per-row tensors of the rows still in the decode batch ([B]) and the wave's output buffers ([N, T])."""
+class _Batch:
+    """The running decode batch. Batch position `b` is row `rows[b]` in every tensor.
 
-    rows: list[_Row]  # batch position -> row
-    origin: torch.Tensor  # [B] buffer index of each batch row
+    The KV cache and `attention` span `L` columns shared by all rows: each row's prompt is left-padded so
+    that it ends where the rows that were already running had their last token when it joined; padding
+    columns are masked out (and dropped once no row needs them), and explicit position ids make every
+    row's computation what it would be alone. Output buffers are `W` wide: each row's `max_new_tokens`
+    plus one scratch column, which rows that finished but still sit in the batch write into.
+    """
+
+    rows: list[_Row]
+    cache: object  # transformers Cache: per layer keys / values [B, KV heads, L, head dim]
+    mergeable: bool  # rows can join: the cache's keys and values can be padded and concatenated
+    logits: torch.Tensor  # [B, V] logits of each row's next token
+    last_tokens: torch.Tensor  # [B] each row's last sampled token, until it is fed to the model
+    attention: torch.Tensor  # [B, L] 1 where the cache column holds one of the row's tokens
+    positions: torch.Tensor  # [B] position id of the token each row feeds next
+    lengths: torch.Tensor  # [B] tokens sampled so far (the output index of the next one)
     active: torch.Tensor  # [B] still generating
     temperatures: torch.Tensor  # [B] (1 for greedy rows)
     greedy: torch.Tensor  # [B]
     limits: torch.Tensor  # [B] max_new_tokens
+    min_tokens: torch.Tensor  # [B] min_new_tokens
     stop_ids: torch.Tensor  # [B, S] EOS + stop ids, padded with -1
-    tokens: torch.Tensor  # [N, T]
-    logprobs: torch.Tensor  # [N, T]
-    versions: list[int] = field(default_factory=list)  # policy version at each decode step
+    tokens: torch.Tensor  # [B, W]
+    logprobs: torch.Tensor  # [B, W]
+    versions: torch.Tensor  # [B, W] policy version when each token was sampled
+    uniforms: torch.Tensor | None  # [B, W] sampling uniforms, while a row is seeded
+    running: int = 0  # active rows (a Python int: admission reads it at every token)
+    started: float = field(default_factory=time.perf_counter)
+    params: list[SamplingParams] = field(default_factory=list)  # of each row
     all_greedy: bool = False
     needs_filter: bool = False
     any_seeded: bool = False
-    uniforms: torch.Tensor | None = None  # [N, T] sampling uniforms when a row is seeded
+    any_min_tokens: bool = False
+
+    # Per-row tensors that rows are selected from and concatenated along their first dim.
+    ROW_TENSORS = ("logits", "last_tokens", "positions", "lengths", "active", "temperatures", "greedy",
+                   "limits", "min_tokens")
+    # Per-row tensors whose second dim is padded on the right (with this value) when batches merge.
+    RIGHT_PADDED = {"stop_ids": -1, "tokens": 0, "logprobs": 0.0, "versions": 0, "uniforms": 0.0}
 
     @classmethod
-    def build(cls, rows: list[_Row], eos_ids: list[int], device: torch.device,
-              engine_generator: torch.Generator | None = None) -> _WaveState:
-        for index, row in enumerate(rows):
-            row.index = index
+    def build(cls, rows: list[_Row], logits: torch.Tensor, cache, attention: torch.Tensor, eos_ids: list[int],
+              engine_generator: torch.Generator) -> _Batch:
+        """The batch of freshly prefilled `rows`: [N, V] logits, [N, P] attention of their prompts."""
+        device = logits.device
         stops = [sorted(set(eos_ids) | set(row.params.stop_token_ids)) for row in rows]
         stop_ids = torch.full((len(rows), max(1, max(len(s) for s in stops))), -1, dtype=torch.long)
         for i, ids in enumerate(stops):
             stop_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         temperatures = torch.tensor([row.params.temperature for row in rows], device=device)
         limits = torch.tensor([row.params.max_new_tokens for row in rows], device=device)
-        width = int(limits.max())
-        state = cls(rows=rows, origin=torch.arange(len(rows), device=device),
+        width = int(limits.max()) + 1  # + the scratch column
+        # Plain full-attention layers holding their own keys / values (no sliding window, linear attention
+        # or layers sharing another layer's cache): those can be padded and concatenated.
+        mergeable = all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+        batch = cls(rows=rows, cache=cache, mergeable=mergeable,
+                    logits=logits, last_tokens=torch.zeros(len(rows), dtype=torch.long, device=device),
+                    attention=attention, positions=attention.sum(1),
+                    lengths=torch.zeros(len(rows), dtype=torch.long, device=device),
                     active=torch.ones(len(rows), dtype=torch.bool, device=device),
                     temperatures=torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures),
-                    greedy=temperatures == 0, limits=limits, stop_ids=stop_ids.to(device),
+                    greedy=temperatures == 0, limits=limits,
+                    min_tokens=torch.tensor([row.params.min_new_tokens for row in rows], device=device),
+                    stop_ids=stop_ids.to(device),
                     tokens=torch.zeros(len(rows), width, dtype=torch.long, device=device),
-                    logprobs=torch.zeros(len(rows), width, device=device))
-        state.refresh_flags()
-        if state.any_seeded:  # [N, T] one uniform per position, from the row's generator (the engine's if unseeded)
-            state.uniforms = torch.stack([torch.rand(width, generator=row.generator or engine_generator,
-                                                     device=device) for row in rows])
-        return state
+                    logprobs=torch.zeros(len(rows), width, device=device),
+                    versions=torch.zeros(len(rows), width, dtype=torch.long, device=device),
+                    uniforms=None, running=len(rows))
+        batch.refresh_flags()
+        if batch.any_seeded:
+            batch.uniforms = _draw_uniforms(rows, width, engine_generator)
+        return batch
 
     def refresh_flags(self) -> None:
         """Batch-wide facts `_sample` branches on, computed once per batch change instead of per token."""
-        self.all_greedy = all(row.params.temperature == 0 for row in self.rows)
-        self.needs_filter = any(row.params.top_k > 0 or row.params.top_p < 1.0 for row in self.rows)
+        self.params = [row.params for row in self.rows]
+        self.all_greedy = all(p.temperature == 0 for p in self.params)
+        self.needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in self.params)
         self.any_seeded = any(row.generator is not None for row in self.rows)
+        self.any_min_tokens = any(p.min_new_tokens > 0 for p in self.params)
+        if not self.any_seeded:
+            self.uniforms = None
+
+    def record(self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> None:
+        """Write each row's sampled token ([B]), its logprob ([B]) and `version` at the row's own position."""
+        index = (torch.arange(len(self.rows), device=tokens.device), self.lengths)
+        self.tokens[index] = tokens
+        self.logprobs[index] = logprobs
+        self.versions[index] = version
+        self.lengths += self.active
+        self.last_tokens = tokens
 
     def select(self, keep: torch.Tensor) -> None:
-        """Keep only batch rows `keep` ([B'] indices)."""
-        keep_list = keep.tolist()
-        self.rows = [self.rows[i] for i in keep_list]
-        self.origin, self.active = self.origin[keep], self.active[keep]
-        self.temperatures, self.greedy = self.temperatures[keep], self.greedy[keep]
-        self.limits, self.stop_ids = self.limits[keep], self.stop_ids[keep]
+        """Keep only batch rows `keep` ([B'] indices), and drop cache columns no kept row attends to."""
+        self.rows = [self.rows[i] for i in keep.tolist()]
+        for name in self.ROW_TENSORS + tuple(self.RIGHT_PADDED):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[keep])
+        self.cache.batch_select_indices(keep)
+        self.attention = self.attention[keep]  # [B', L]
+        if self.mergeable:
+            start = int(torch.nonzero(self.attention.any(0))[0])  # first column a row attends to
+            if start:
+                self.attention = self.attention[:, start:]  # [B', L - start]
+                _map_cache(self.cache, lambda states: states[:, :, start:])
+        self.running = int(self.active.sum())
         self.refresh_flags()
+
+    def merge(self, joining: _Batch, engine_generator: torch.Generator) -> None:
+        """Add the rows of `joining` (freshly prefilled) to this batch, dropping its finished rows.
+
+        The shorter of the two caches is left-padded to the longer one's width `L` (masked columns), so
+        every row's last cache column is column `L - 1` and the next token of every row goes to column `L`.
+        """
+        if self.running < len(self.rows):
+            self.select(torch.nonzero(self.active).flatten())
+        if self.any_seeded != joining.any_seeded:  # every row of a batch with a seeded row needs uniforms
+            unseeded = joining if self.any_seeded else self
+            unseeded.uniforms = _draw_uniforms(unseeded.rows, unseeded.tokens.shape[1], engine_generator)
+        for name, value in self.RIGHT_PADDED.items():
+            ours, theirs = getattr(self, name), getattr(joining, name)
+            if ours is not None:
+                width = max(ours.shape[1], theirs.shape[1])
+                setattr(self, name, torch.cat([_pad_right(ours, width, value),
+                                               _pad_right(theirs, width, value)]))
+        for name in self.ROW_TENSORS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(joining, name)]))
+        length = max(self.attention.shape[1], joining.attention.shape[1])
+        self.attention = torch.cat([_pad_left(self.attention, length), _pad_left(joining.attention, length)])
+        for ours, theirs in zip(self.cache.layers, joining.cache.layers):
+            ours.keys = torch.cat([_pad_left(ours.keys, length), _pad_left(theirs.keys, length)])
+            ours.values = torch.cat([_pad_left(ours.values, length), _pad_left(theirs.values, length)])
+        self.rows = self.rows + joining.rows
+        self.running += joining.running
+        self.refresh_flags()
+
+
+def _draw_uniforms(rows: list[_Row], width: int, engine_generator: torch.Generator) -> torch.Tensor:
+    """[N, width] sampling uniforms: row `i`'s uniform for its position `t` at `[i, t]`.
+
+    A seeded row draws its `max_new_tokens` uniforms from its own generator, so its t-th token uses the
+    t-th draw of its seed whatever batch it is in; unseeded rows draw from the engine's generator.
+    """
+    uniforms = torch.zeros(len(rows), width, device=engine_generator.device)
+    for i, row in enumerate(rows):
+        limit = row.params.max_new_tokens
+        uniforms[i, :limit] = torch.rand(limit, generator=row.generator or engine_generator,
+                                         device=engine_generator.device)
+    return uniforms
+
+
+def _pad_left(states: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim 2 of keys / values ([B, H, L, D]) or dim 1 of a mask ([B, L]) on the left to `length`."""
+    dim = 2 if states.dim() == 4 else 1
+    missing = length - states.shape[dim]
+    if not missing:
+        return states
+    shape = list(states.shape)
+    shape[dim] = missing
+    return torch.cat([states.new_zeros(shape), states], dim=dim)
+
+
+def _pad_right(buffer: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """Pad a [B, W] buffer on the right with `value` to `width` columns."""
+    if buffer.shape[1] == width:
+        return buffer
+    return torch.nn.functional.pad(buffer, (0, width - buffer.shape[1]), value=value)
+
+
+def _map_cache(cache, transform) -> None:
+    """Replace every layer's keys and values ([B, KV heads, L, head dim]) with `transform` of them."""
+    for layer in cache.layers:
+        layer.keys, layer.values = transform(layer.keys), transform(layer.values)
+
+
+def _ban_stop_ids(scaled: torch.Tensor, stop_ids: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """`scaled` ([B, V]) with the stop ids ([B, S], -1 padded) of `blocked` rows ([B]) set to -inf."""
+    banned = blocked & (stop_ids[:, 0] >= 0)  # [B] blocked rows that have a stop id at all
+    # Padding slots point at the row's first stop id and get the same value, so no column receives two
+    # different values from one scatter (which would be nondeterministic).
+    index = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1].clamp(min=0))  # [B, S]
+    values = scaled.gather(1, index).masked_fill(banned.unsqueeze(1), float("-inf"))  # [B, S]
+    return scaled.scatter(1, index, values)
 
 
 CPU_DECODE_ATTENTION = "rollflow_cpu_decode"

@@ -9,8 +9,9 @@ entrypoints/engine.py`, `docs/basic_usage/sampling_params.md`):
   rid=[...])` returning one dict per sequence: `meta_info["output_token_logprobs"]` is a list of
   `(logprob, token_id, text)` for every generated token and `meta_info["finish_reason"]` is
   `{"type": "stop" | "length" | "abort", ...}`;
-- sampling params `max_new_tokens, temperature, top_p, top_k (-1: off), min_p, stop_token_ids, *_penalty,
-  sampling_seed`; the docs advise sending a prompt n times rather than `n > 1`, which is what this does;
+- sampling params `max_new_tokens, min_new_tokens, temperature, top_p, top_k (-1: off), min_p,
+  stop_token_ids, *_penalty, sampling_seed`; the docs advise sending a prompt n times rather than
+  `n > 1`, which is what this does;
 - `Engine.tokenizer_manager.abort_request(rid=...)` (SGLang's own abort path; the scheduler then finishes
   the request with `finish_reason.type == "abort"` and the tokens generated so far);
 - `Engine.update_weights_from_tensor(named_tensors, flush_cache=True)`,
@@ -21,7 +22,10 @@ Logprobs. SGLang's sampler reports log(softmax(logits / temperature)) of the sam
 top-k / top-p / min-p filtering (log-softmax of the logits when greedy) — rollflow's quantity. The
 environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches it to the logits before temperature,
 so the engine refuses to start with it set (unless every request runs at temperature 0 or 1, which it
-cannot know up front).
+cannot know up front). `min_new_tokens` is SGLang's min-new-tokens penalizer, which masks EOS / stop
+ids in the logits before the sampler takes logprobs: tokens sampled before `min_new_tokens` report
+logprobs renormalized without the stop ids, not rollflow's quantity (read from SGLang's sampler, not
+checked on a GPU here); requests without it are unaffected.
 
 Threading. `sglang.Engine`'s synchronous methods run `self.loop.run_until_complete(...)` on the event loop
 it was created with, and its async methods must run on that same loop. The engine is therefore created
@@ -69,6 +73,7 @@ def sglang_sampling_params(params: SamplingParams) -> list[dict[str, Any]]:
     """
     base = {
         "max_new_tokens": params.max_new_tokens,
+        "min_new_tokens": params.min_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,  # -1: off

@@ -8,7 +8,7 @@ Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.a
 - `AsyncLLM.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(...), request_id)`, an async
   iterator of `RequestOutput`s whose `outputs` are `CompletionOutput(index, token_ids, logprobs,
   finish_reason)`; with `output_kind=RequestOutputKind.DELTA` each one carries only the new tokens;
-- `SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids, logprobs=0,
+- `SamplingParams(n, temperature, top_p, top_k, max_tokens, min_tokens, seed, stop_token_ids, logprobs=0,
   detokenize=False)`: `logprobs=0` returns the logprob of the sampled token only;
 - `AsyncLLM.abort(request_id)`, `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache()`;
 - `AsyncLLM.collective_rpc(method, args=...)` calling a method of the `worker_extension_cls` mixed into
@@ -18,10 +18,11 @@ Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.a
 Logprobs. rollflow reports log-softmax(logits / temperature) of the sampled token, before top-k / top-p
 (temperature 1 when greedy). vLLM's `logprobs_mode` picks what it reports (vLLM >= 0.10.2):
 `raw_logprobs` (its default) is log-softmax of the logits before temperature, `processed_logprobs` is
-taken after temperature *and* after top-k / top-p renormalization. This engine starts vLLM with
-`processed_logprobs`, which is exactly rollflow's quantity whenever top-k / top-p are off (the RL
-default); a request that would get a different quantity under the configured mode is refused with a
-`ValueError` instead of silently training on the wrong logprobs (`logprob_mismatch`).
+taken after temperature *and* after top-k / top-p renormalization (and after the `min_tokens` mask,
+which vLLM's sampler applies before both). This engine starts vLLM with `processed_logprobs`, which is
+exactly rollflow's quantity whenever top-k / top-p and `min_new_tokens` are off (the RL default); a
+request that would get a different quantity under the configured mode is refused with a `ValueError`
+instead of silently training on the wrong logprobs (`logprob_mismatch`).
 
 Threading. vLLM's `AsyncLLM` binds to the event loop it is created on, and the engine protocol has
 synchronous methods (`abort`, `update_weights`, `sleep`, `wake`) that a Ray async actor calls from inside
@@ -77,6 +78,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "max_tokens": params.max_new_tokens,
+        "min_tokens": params.min_new_tokens,
         "seed": params.seed,
         "stop_token_ids": list(params.stop_token_ids),
         "logprobs": 0,  # the sampled token's logprob only
@@ -97,6 +99,9 @@ def logprob_mismatch(params: SamplingParams, logprobs_mode: str) -> str | None:
         if filtered and not greedy:
             return ("vLLM's processed_logprobs are renormalized after top-k/top-p; use top_k=0, top_p=1 "
                     "or, at temperature 1, engine_kwargs.logprobs_mode=raw_logprobs")
+        if params.min_new_tokens > 0:  # vLLM masks EOS / stop ids before taking processed logprobs
+            return ("vLLM's processed_logprobs are renormalized without the stop ids that min_new_tokens "
+                    "masks; at temperature 0 or 1 use engine_kwargs.logprobs_mode=raw_logprobs")
         return None
     if logprobs_mode == "raw_logprobs":
         if params.temperature not in (0.0, 1.0):

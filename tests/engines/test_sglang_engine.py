@@ -20,14 +20,15 @@ from rollflow.engines.sglang_engine import (
 
 def test_sampling_params_one_dict_per_sample_with_every_knob_explicit():
     params = SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=0, n=2, stop_token_ids=(5,))
-    expected = {"max_new_tokens": 7, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
-                "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    expected = {"max_new_tokens": 7, "min_new_tokens": 0, "temperature": 0.6, "top_p": 0.9, "top_k": -1,
+                "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                 "stop_token_ids": [5]}
     assert sglang_sampling_params(params) == [expected, expected]
     seeded = sglang_sampling_params(SamplingParams(top_k=4, n=3, seed=2))
     # sample seeds as in the hf engine: seed * 1_000_003 + slot
     assert [p["sampling_seed"] for p in seeded] == [2_000_006, 2_000_007, 2_000_008]
     assert {p["top_k"] for p in seeded} == {4}
+    assert sglang_sampling_params(SamplingParams(min_new_tokens=5))[0]["min_new_tokens"] == 5
 
 
 def test_original_logprob_switch_is_read_like_sglang_reads_booleans():

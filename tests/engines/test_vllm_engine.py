@@ -24,11 +24,12 @@ def test_sampling_kwargs_map_every_field_and_ask_for_the_sampled_tokens_logprob(
                             stop_token_ids=(5, 9), seed=11)
     assert vllm_sampling_kwargs(params) == {
         "n": 4, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0, "presence_penalty": 0.0, "max_tokens": 7, "seed": 11,
+        "frequency_penalty": 0.0, "presence_penalty": 0.0, "max_tokens": 7, "min_tokens": 0, "seed": 11,
         "stop_token_ids": [5, 9], "logprobs": 0, "detokenize": False,
     }
     assert vllm_sampling_kwargs(SamplingParams(top_k=20))["top_k"] == 20
     assert vllm_sampling_kwargs(SamplingParams())["seed"] is None
+    assert vllm_sampling_kwargs(SamplingParams(min_new_tokens=3))["min_tokens"] == 3
 
 
 def _vllm_reported_logprob(logits: torch.Tensor, token: int, params: SamplingParams, mode: str) -> float:
@@ -55,6 +56,17 @@ def test_logprob_mismatch_is_reported_exactly_when_vllm_would_report_another_qua
     rollflow = float(torch.log_softmax(logits / (params.temperature or 1.0), -1)[token])
     same = abs(_vllm_reported_logprob(logits, token, params, mode) - rollflow) < 1e-6
     assert (logprob_mismatch(params, mode) is None) == same
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_min_new_tokens_is_a_mismatch_under_processed_logprobs_only(temperature):
+    """vLLM's sampler masks EOS / stop ids for min_tokens before it takes processed logprobs (its Sampler
+    docstring: step 5 before step 7), so those are renormalized without the stop ids; raw_logprobs come
+    before the mask (and are refused for temperatures other than 0 and 1, as without min_new_tokens)."""
+    params = SamplingParams(temperature=temperature, min_new_tokens=4)
+    assert "min_new_tokens" in logprob_mismatch(params, "processed_logprobs")
+    assert (logprob_mismatch(params, "raw_logprobs") is None) == (temperature in (0.0, 1.0))
+    assert logprob_mismatch(SamplingParams(temperature=temperature), "processed_logprobs") is None
 
 
 def test_logprob_mismatch_refuses_modes_that_return_logits():
