@@ -35,6 +35,7 @@ RUN_ELSEWHERE = {
     "quickstart": "tests/e2e/test_train_runs.py",
     "lora": "tests/e2e/test_lora_run.py",
     "llm_judge": "tests/e2e/test_model_rewards.py",
+    "async": "tests/e2e/test_async_runs.py",
     "lite_ppo": "EXTRA_CASES['lite_ppo-tis'] (same advantage, and the policy loss its recipe uses is ppo)",
 }
 RUN_HERE = [path for path in RECIPES if path.stem not in RUN_ELSEWHERE]
@@ -77,7 +78,12 @@ def _config(path: Path, overrides: list[str], tmp_path: Path, random_model: str 
         # The tiny model gets all 16 samples of the first 4 prompts wrong about one time in three, and the
         # mask then drops the whole step; with 8 prompts a step with nothing to train on is rare.
         overrides.append("rollout.prompts_per_step=8")
-    return load_config(path, [*TINY, *overrides, "name=run", f"output.dir={tmp_path}"])
+    tiny = TINY
+    if as_written.data.domains:  # each domain has its own eval set
+        tiny = [item for item in TINY if not item.startswith("data.eval.")]
+        tiny += [f"data.domains.{name}.eval.limit=8" for name, domain in as_written.data.domains.items()
+                 if domain.eval is not None]
+    return load_config(path, [*tiny, *overrides, "name=run", f"output.dir={tmp_path}"])
 
 
 def _run_and_check(config: RunConfig) -> list[dict]:
