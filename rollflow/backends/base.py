@@ -6,9 +6,11 @@ bookkeeping the backends would otherwise repeat.
 * `build_optimizer(model, settings)`: AdamW over what trains + the `lr_multiplier` schedule.
 * `TrainingBackendBase`: the one base class of the backends (one level of inheritance). It holds the
   settings, model, optimizer, scheduler and tokenizer, and implements offload / onload with the resident
-  guard, the forward passes, the micro-batch loop with token-weighted metric averaging, and the optimizer
-  step. A backend supplies where the model lives (its constructor), how a batch becomes passes (`_passes`),
-  how per-pass rows come back (`_join_rows`), `train_step`, weights export and checkpoints.
+  guard, the forward passes, the micro-batch loop with token-weighted metric averaging, the optimizer step,
+  and how a process's rows become micro-batches (`_micro_batches`: ordered by length, trimmed to their own
+  columns). A backend supplies where the model lives (its constructor), which rows a process runs and how
+  many passes (`_passes`), how its rows come back (`_join_rows`), `train_step`, weights export and
+  checkpoints.
 
 The config module imports this one (for `SETTINGS_FIELDS`), so at module level it imports only the standard
 library and torch; the rest of rollflow, transformers and peft are imported inside the functions that use
@@ -30,9 +32,11 @@ if TYPE_CHECKING:
     from rollflow.algorithms import LossNormalizer
     from rollflow.data.sample import Batch
 
-# `loss_fn(outputs, micro_batch, normalizer) -> (loss, metrics)`: outputs are [b, T, V] logits (a causal LM)
-# or [b, T] values (a value model); `loss` is the micro-batch's contribution to the loss of the whole batch
-# (see `rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on how it was split.
+# `loss_fn(outputs, micro_batch, normalizer) -> (loss, metrics)`: outputs are [b, t, V] logits (a causal LM)
+# or [b, t] values (a value model), over the micro-batch's own t <= T response columns (micro-batches are
+# trimmed: `Batch.trimmed`); `loss` is the micro-batch's contribution to the loss of the whole batch (see
+# `rollflow.algorithms.aggregation`), so the accumulated gradient does not depend on how it was split. The
+# rows of a micro-batch are any of the batch's rows, in any order: a loss must be a sum over rows.
 LossFn = Callable[[torch.Tensor, "Batch", "LossNormalizer"], tuple[torch.Tensor, dict[str, float]]]
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -154,6 +158,26 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def micro_batch_rows(lengths: torch.Tensor, micro_batch_size: int, by_length: bool) -> list[torch.Tensor]:
+    """Which rows each micro-batch holds.
+
+    Ordering by length (longest first, ties in row order) puts long rows together, so the micro-batches of
+    short rows stay narrow once trimmed; the longest pass comes first, so running out of memory shows at
+    once. The number of micro-batches is `ceil(n / micro_batch_size)` either way.
+
+    Args:
+        lengths: [n] real tokens (prompt + response) of each row.
+        micro_batch_size: rows per micro-batch.
+        by_length: order the rows by length; False keeps them in order (contiguous micro-batches).
+
+    Returns:
+        [b] long row indices of each micro-batch, every row once; [] for n = 0.
+    """
+    order = (torch.argsort(lengths, descending=True, stable=True) if by_length
+             else torch.arange(len(lengths)))  # [n]
+    return [rows for rows in order.split(micro_batch_size) if len(rows)]
+
+
 def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         device: torch.device | str) -> None:
     """Move a model's parameters and its optimizer's state tensors (Adam moments) to `device`."""
@@ -219,15 +243,19 @@ class TrainingBackendBase:
         settings: the shared settings.
         model: the placed model.
         device: where inputs go (the model's device).
+        trim_micro_batches: order a process's rows by length before cutting micro-batches and drop the
+            columns that are padding in every row of a micro-batch (`Batch.trimmed`); False: contiguous
+            micro-batches at the batch's full width. Results are the same either way (up to float rounding).
 
     Attributes:
-        settings, model, device, tokenizer: as given / loaded.
+        settings, model, device, tokenizer, trim_micro_batches: as given / loaded.
         optimizer, scheduler: AdamW and its LambdaLR; None when frozen.
-        forward: `(model, micro_batch) -> [b, T, V] logits`, or `[b, T] values` for a value model.
+        forward: `(model, micro_batch) -> [b, t, V] logits`, or `[b, t] values` for a value model.
         resident: False between `offload()` and `onload()`.
     """
 
-    def __init__(self, settings: TrainerSettings, model: torch.nn.Module, device: torch.device):
+    def __init__(self, settings: TrainerSettings, model: torch.nn.Module, device: torch.device,
+                 trim_micro_batches: bool = True):
         from rollflow.backends.logprobs import model_logits
         from rollflow.backends.value_model import response_values
         from rollflow.models import load_tokenizer
@@ -235,6 +263,7 @@ class TrainingBackendBase:
         self.settings = settings
         self.model = model
         self.device = device
+        self.trim_micro_batches = trim_micro_batches
         self.forward = response_values if settings.value_head else model_logits
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.tokenizer = load_tokenizer(settings.model_path, settings.trust_remote_code)
@@ -242,14 +271,31 @@ class TrainingBackendBase:
 
     # ---- what each backend supplies -------------------------------------------------------------------
 
-    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
-        """The forward/backward passes over `batch` as (micro_batch on the device, real). A pass that is not
-        real is run (a data-parallel rank's collectives must line up) but contributes nothing."""
+    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+        """The forward/backward passes over `batch` as (micro_batch on the device, rows): `rows` [b] indexes
+        the micro-batch's rows among this process's rows (`_micro_batches` of them), None for a placeholder
+        pass, which is run (a data-parallel rank's collectives must line up) but contributes nothing."""
         raise NotImplementedError
 
-    def _join_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-        """The [B, T] result on CPU from the [b, T] results of the real passes, in order."""
+    def _join_rows(self, local: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The [B, T] result on CPU from this process's [n, T] rows (in its own row order)."""
         raise NotImplementedError
+
+    # ---- micro-batches --------------------------------------------------------------------------------
+
+    def _micro_batches(self, rows: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """`rows` (one optimizer step's rows on this process) as `micro_batch_size`-row micro-batches on the
+        device, each with the [b] indices of its rows in `rows`.
+
+        With `trim_micro_batches`, the rows are ordered by length (`micro_batch_rows`) and each micro-batch
+        is cut to its own columns (`Batch.trimmed`): on a long-tailed batch most passes are then a fraction
+        of the batch's width. The number of micro-batches does not depend on it. Neither does the loss: it
+        is a sum over rows divided by counts of the whole batch (`rollflow.algorithms.aggregation`).
+        """
+        lengths = rows.attention_mask.sum(dim=1)  # [n] prompt + response tokens
+        for index in micro_batch_rows(lengths, self.settings.micro_batch_size, self.trim_micro_batches):
+            micro = rows.select(index)
+            yield (micro.trimmed() if self.trim_micro_batches else micro).to(self.device), index
 
     # ---- residency ------------------------------------------------------------------------------------
 
@@ -280,15 +326,22 @@ class TrainingBackendBase:
 
     @torch.no_grad()
     def _forward_response(self, batch: Batch, read: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
-        """`read(micro) -> [b, T]` on every pass. Returns the real passes' rows (0 on padding) joined into
-        [B, T] on CPU."""
+        """`read(micro) -> [b, t]` on every pass. Returns the real passes' rows (0 on padding), padded back
+        to the batch's width T, put back in row order and joined into [B, T] on CPU."""
         self.model.eval()
-        parts = []
-        for micro, real in self._passes(batch):
-            values = read(micro)  # [b, T]; run on placeholder passes too, for the collectives
-            if real:
-                parts.append(values * (micro.attention_mask[:, micro.prompt_length:] > 0))  # 0 on padding
-        return self._join_rows(parts, batch)
+        parts, part_rows = [], []
+        for micro, rows in self._passes(batch):
+            values = read(micro)  # [b, t]; run on placeholder passes too, for the collectives
+            if rows is not None:
+                values = values * (micro.attention_mask[:, micro.prompt_length:] > 0)  # [b, t], 0 on padding
+                parts.append(torch.nn.functional.pad(values, (0, batch.response_width - values.shape[1])))
+                part_rows.append(rows)
+        if not parts:  # a data-parallel rank with no rows
+            return self._join_rows(torch.zeros(0, batch.response_width, device=self.device), batch)
+        joined = torch.cat(parts)  # [n, T] in pass order
+        local = torch.empty_like(joined)
+        local[torch.cat(part_rows).to(joined.device)] = joined  # [n, T] in row order
+        return self._join_rows(local, batch)
 
     def forward_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """Logprobs of the batch's response tokens. Returns [B, T] on CPU (0 where padded)."""
@@ -317,12 +370,13 @@ class TrainingBackendBase:
 
     # ---- training -------------------------------------------------------------------------------------
 
-    def _accumulate_gradients(self, batch: Batch, passes: Iterator[tuple[Batch, bool]],
+    def _accumulate_gradients(self, batch: Batch, passes: Iterator[tuple[Batch, torch.Tensor | None]],
                               loss_fn: LossFn) -> tuple[float, dict[str, float]]:
         """Forward and backward every pass, adding up the gradient of the loss of the whole `batch`.
 
-        The loss normalizer (token / sequence counts) and the metric weights come from the FULL batch, so
-        passes over any part of it (a micro-batch, a rank's shard) add up to the whole batch's numbers.
+        The loss normalizer (token / sequence counts, and the default L: the full batch's width T) and the
+        metric weights come from the FULL batch, so passes over any part of it (a micro-batch, trimmed or
+        not, a rank's shard) add up to the whole batch's numbers.
 
         Returns:
             (the sum of the real passes' losses, their metrics weighted by trained tokens / the batch's
@@ -335,8 +389,9 @@ class TrainingBackendBase:
         normalizer = loss_normalizer(batch.response_mask, self.settings.max_response_length)
         total_tokens = max(float(batch.response_mask.sum()), 1.0)
         loss_sum, metric_sums = 0.0, {}
-        for micro, real in passes:
-            outputs = self.forward(self.model, micro)  # [b, T, V] logits, or [b, T] values
+        for micro, rows in passes:
+            real = rows is not None
+            outputs = self.forward(self.model, micro)  # [b, t, V] logits, or [b, t] values
             loss, metrics = loss_fn(outputs, micro, normalizer)
             if not real:
                 loss = loss * 0.0  # keeps the graph (and so a rank's collectives) but adds no gradient

@@ -15,6 +15,11 @@ never shard. A training step over the global batch gives the same gradient as th
   averages: we set the gradient divide factor to 1);
 * FSDP2 forward / backward are collectives, so every rank runs the same number of passes: a rank with fewer
   (or no) rows runs zero-weight passes on a placeholder row instead of skipping, which would deadlock.
+
+Within its shard a rank orders its rows by length before cutting micro-batches and trims each micro-batch
+to its own columns (`TrainingBackendBase._micro_batches`); that changes neither the number of passes (it
+depends only on the shard's row count) nor the result. Ranks may run passes of different widths: FSDP's
+collectives move parameters and gradients, whose shapes do not depend on the inputs.
 """
 
 from __future__ import annotations
@@ -132,6 +137,8 @@ class FSDP2Backend(TrainingBackendBase):
             "reduce_dtype": "float32"}; None computes in the parameters' dtype.
         reshard_after_forward: free each block's gathered parameters after its forward (less memory, one more
             all-gather in backward).
+        trim_micro_batches: cut micro-batches from the shard's rows ordered by length, each only as wide as
+            its own rows (the default); False: contiguous micro-batches at the batch's full width.
 
     Attributes:
         rank, world_size: this process's place in the process group.
@@ -139,7 +146,7 @@ class FSDP2Backend(TrainingBackendBase):
     """
 
     def __init__(self, settings: TrainerSettings, *, mixed_precision: dict[str, str] | None = None,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, trim_micro_batches: bool = True):
         from torch.distributed.device_mesh import init_device_mesh
 
         if settings.lora is not None:
@@ -155,36 +162,34 @@ class FSDP2Backend(TrainingBackendBase):
         mesh = init_device_mesh(device.type, (self.world_size,))
         model = build_model(settings)
         shard_model(model, mesh, mixed_precision, reshard_after_forward)  # moves shards to the device
-        super().__init__(settings, model, device)  # the optimizer holds this rank's shards
+        super().__init__(settings, model, device, trim_micro_batches)  # the optimizer holds this rank's shards
 
     # ---- batches --------------------------------------------------------------------------------------
 
-    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
-        """This rank's micro-batches as (micro_batch, real); the same count on every rank.
+    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+        """This rank's micro-batches as (micro_batch, rows in the shard); the same count on every rank.
 
-        Past the end of its shard a rank gets `(placeholder, False)`: the batch's first row with an all-zero
-        response mask, run (with zero weight in training) only so that FSDP's collectives line up across
-        ranks.
+        Past the end of its shard's micro-batches a rank gets `(placeholder, None)`: the batch's first row
+        with an all-zero response mask, run (with zero weight in training) only so that FSDP's collectives
+        line up across ranks.
         """
-        micro_batch_size = self.settings.micro_batch_size
-        rows = shard_rows(batch.size, self.world_size, self.rank)
-        shard = batch.select(rows).to(self.device)
+        shard = batch.select(shard_rows(batch.size, self.world_size, self.rank))
+        micro_batches = self._micro_batches(shard)  # ceil(shard rows / micro_batch_size) of them
         placeholder = None
-        for index in range(passes_per_rank(batch.size, self.world_size, micro_batch_size)):
-            start = index * micro_batch_size
-            if start < shard.size:
-                yield shard.select(slice(start, start + micro_batch_size)), True
+        for _ in range(passes_per_rank(batch.size, self.world_size, self.settings.micro_batch_size)):
+            micro = next(micro_batches, None)
+            if micro is not None:
+                yield micro
                 continue
             if placeholder is None:
-                placeholder = batch.select(slice(0, 1)).to(self.device)
+                placeholder, _ = next(self._micro_batches(batch.select(slice(0, 1))))
                 placeholder.response_mask = torch.zeros_like(placeholder.response_mask)
-            yield placeholder, False
+            yield placeholder, None
+        assert next(micro_batches, None) is None, "a shard has more micro-batches than passes_per_rank"
 
-    def _join_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+    def _join_rows(self, local: torch.Tensor, batch: Batch) -> torch.Tensor:
         """All-gather each rank's [n_r, T] rows into the full [B, T] tensor (rank order), on CPU, on every
         rank."""
-        width = batch.response_width
-        local = torch.cat(parts) if parts else torch.zeros(0, width, device=self.device)  # [n_r, T]
         if self.world_size == 1:
             return local.cpu()
         largest = math.ceil(batch.size / self.world_size)

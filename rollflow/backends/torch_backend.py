@@ -7,6 +7,9 @@ With `value_head=True` the model is a `ValueModel` (the critic) and the loss fun
 values instead of [b, T, V] logits. With `lora=...` the causal LM is wrapped with PEFT LoRA adapters (see
 `rollflow.backends.lora`): only the adapters train, the base model with adapters disabled is the reference
 policy, and weights leave the trainer merged, under the plain model's names.
+
+Micro-batches are cut from the batch's rows ordered by length and trimmed to their own columns (see
+`TrainingBackendBase._micro_batches`); results come back in the batch's row order, at its full width.
 """
 
 from __future__ import annotations
@@ -30,22 +33,22 @@ class TorchBackend(TrainingBackendBase):
         settings: model, optimizer and batching settings (`TrainerSettings`); `settings.device` is "cpu",
             "cuda" (the current CUDA device), or None for CUDA when available. Inputs move to it per
             micro-batch; results come back on CPU.
-
-    This backend has no backend-specific keyword arguments.
+        trim_micro_batches: cut micro-batches from the rows ordered by length, each only as wide as its own
+            rows (the default); False: contiguous micro-batches at the batch's full width (same results up
+            to float rounding, slower on batches of uneven lengths).
     """
 
-    def __init__(self, settings: TrainerSettings):
+    def __init__(self, settings: TrainerSettings, *, trim_micro_batches: bool = True):
         device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(settings).to(device)
-        super().__init__(settings, model, device)
+        super().__init__(settings, model, device, trim_micro_batches)
 
-    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
-        """`micro_batch_size`-row micro-batches on the device, in order; every one is real."""
-        for start in range(0, batch.size, self.settings.micro_batch_size):
-            yield batch.select(slice(start, start + self.settings.micro_batch_size)).to(self.device), True
+    def _passes(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+        """The batch's micro-batches on the device with their rows (`_micro_batches`); every one is real."""
+        yield from self._micro_batches(batch)
 
-    def _join_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-        return torch.cat(parts).cpu()  # [B, T]
+    def _join_rows(self, local: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return local.cpu()  # [B, T]: one process holds every row
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on `batch` (all micro-batches accumulated).

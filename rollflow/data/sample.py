@@ -148,6 +148,47 @@ class Batch:
                      domain_ids=None if self.domain_ids is None else self.domain_ids[index],
                      domain_names=self.domain_names)
 
+    def trimmed(self) -> Batch:
+        """The batch without the columns that are padding in every row: leading prompt columns and trailing
+        response columns (a micro-batch is then only as wide as its own rows).
+
+        Every [B, P + T] tensor loses the same leading and trailing columns, every [B, T] tensor (extras
+        included) the same trailing ones; `prompt_length` shrinks by the leading columns dropped; [B] tensors
+        are unchanged. Positions count from each row's first real token, so dropping columns that no row uses
+        leaves every real token's position (and the model's output on it) unchanged. At least one prompt
+        column (the logits of response token 0 are read there) and one response column are kept.
+
+        Returns:
+            The trimmed batch; the same object when no column is all padding.
+
+        Raises:
+            ValueError: columns are to be dropped and an extra with 2+ dimensions is not [B, T, ...].
+        """
+        real = self.attention_mask > 0  # [B, P + T]
+        prompt_width, response_width = self.prompt_length, self.response_width
+        used_prompt = real[:, :prompt_width].any(dim=0).nonzero()  # [p, 1] prompt columns some row uses
+        start = min(int(used_prompt[0]) if len(used_prompt) else prompt_width, max(prompt_width - 1, 0))
+        used_response = real[:, prompt_width:].any(dim=0).nonzero()  # [t, 1] response columns some row uses
+        width = int(used_response[-1]) + 1 if len(used_response) else 1
+        if start == 0 and width == response_width:
+            return self
+        for name, value in self.extras.items():
+            if value.dim() >= 2 and value.shape[1] != response_width:
+                raise ValueError(f"extras[{name!r}] has shape {tuple(value.shape)}; extras are [B] or "
+                                 f"[B, T] with T = {response_width}")
+        columns = slice(start, prompt_width + width)  # of the [B, P + T] tensors
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids[:, columns],
+            attention_mask=self.attention_mask[:, columns],
+            position_ids=self.position_ids[:, columns],
+            response_mask=self.response_mask[:, :width],
+            rollout_logprobs=self.rollout_logprobs[:, :width],
+            policy_versions=self.policy_versions[:, :width],
+            prompt_length=prompt_width - start,
+            extras={k: v[:, :width] if v.dim() >= 2 else v for k, v in self.extras.items()},
+        )
+
 
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """Turn samples into one padded `Batch`. The only place samples become tensors.

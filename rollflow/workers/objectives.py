@@ -64,6 +64,9 @@ def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int,
 
     Returns the metrics averaged over the optimizer steps. Parts are empty only when the batch has fewer
     rows than `mini_batches` (after the difficulty mask dropped groups); those are skipped.
+
+    Each part keeps the batch's full width (the default L of `seq_mean_token_sum_norm` is that width); the
+    backend orders a part's rows by length and trims each micro-batch to its rows.
     """
     order = torch.randperm(batch.size, generator=generator)
     parts = [part for part in order.tensor_split(mini_batches) if part.numel()]

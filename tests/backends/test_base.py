@@ -17,6 +17,7 @@ from rollflow.backends.base import (
     TrainingBackend,
     build_model,
     build_optimizer,
+    micro_batch_rows,
 )
 from rollflow.backends.value_model import ValueModel
 from rollflow.errors import ConfigError
@@ -56,10 +57,11 @@ def test_base_module_imports_only_the_standard_library_and_torch():
 
 def test_backend_kwargs_are_the_backend_class_keywords():
     assert BACKENDS.names() == ["fsdp2", "torch"]
-    assert backend_kwarg_names("torch") == []
-    assert backend_kwarg_names("fsdp2") == ["mixed_precision", "reshard_after_forward"]
+    assert backend_kwarg_names("torch") == ["trim_micro_batches"]
+    assert backend_kwarg_names("fsdp2") == ["mixed_precision", "reshard_after_forward", "trim_micro_batches"]
     check_backend_kwargs("fsdp2", {"mixed_precision": {"param_dtype": "bfloat16"}, "reshard_after_forward": False})
     check_backend_kwargs("torch", {})
+    check_backend_kwargs("torch", {"trim_micro_batches": False})
 
 
 def test_unknown_backend_kwargs_fail_with_one_line_naming_the_valid_keys():
@@ -67,9 +69,11 @@ def test_unknown_backend_kwargs_fail_with_one_line_naming_the_valid_keys():
         check_backend_kwargs("fsdp2", {"mixed_precison": {}})
     message = str(error.value)
     assert "\n" not in message
-    assert "mixed_precison" in message and "valid keys: mixed_precision, reshard_after_forward" in message
+    assert "mixed_precison" in message
+    assert "valid keys: mixed_precision, reshard_after_forward, trim_micro_batches" in message
     assert "did you mean 'mixed_precision'" in message
-    with pytest.raises(ConfigError, match="'torch' training backend; it takes none; rollflow sets lr from"):
+    with pytest.raises(ConfigError, match="'torch' training backend; valid keys: trim_micro_batches; rollflow "
+                                          "sets lr from"):
         check_backend_kwargs("torch", {"lr": 1.0})
     with pytest.raises(ConfigError, match="unknown training backend 'fsdp'. Did you mean 'fsdp2'"):
         check_backend_kwargs("fsdp", {"mixed_precision": {}})
@@ -108,3 +112,11 @@ def test_offload_guard_names_the_backend_and_the_call(random_model_dir):
         backend.forward_logprobs(None)
     backend.onload()
     assert backend.resident
+
+
+def test_micro_batches_take_rows_longest_first_or_in_order():
+    lengths = torch.tensor([3, 9, 5, 9, 1])
+    # longest first, ties in row order: 9 (row 1), 9 (row 3), 5 (row 2), 3 (row 0), 1 (row 4)
+    assert [rows.tolist() for rows in micro_batch_rows(lengths, 2, by_length=True)] == [[1, 3], [2, 0], [4]]
+    assert [rows.tolist() for rows in micro_batch_rows(lengths, 2, by_length=False)] == [[0, 1], [2, 3], [4]]
+    assert micro_batch_rows(torch.zeros(0, dtype=torch.long), 2, by_length=True) == []  # an empty shard

@@ -2,7 +2,9 @@
 
 One 2-rank FSDP2 job on CPU (gloo on 127.0.0.1, 1 torch thread per rank) runs every distributed scenario
 once (the spawn and imports cost most of the time) and saves each rank's results; the tests compare them with
-TorchBackend on the same global batches.
+TorchBackend on the same global batches. The reference TorchBackend runs contiguous full-width micro-batches
+(`trim_micro_batches=False`), so the comparisons also check the ranks' length-ordered, trimmed passes (the
+batches' prompts and responses have uneven lengths) against untrimmed ones.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def _settings(model_dir: str, **overrides) -> TrainerSettings:
                                         "warmup_steps": 3, **overrides})
 
 
+def _single(settings: TrainerSettings) -> TorchBackend:
+    """The single-process reference: contiguous micro-batches at the batch's full width."""
+    return TorchBackend(settings, trim_micro_batches=False)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -121,8 +128,10 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     results["restored_values"] = restored_critic.forward_values(_critic_batch(5, 12))
 
     # the critic role on fsdp2 ranks, built the way a worker builds it; blocks stay gathered between forward
-    # and backward (reshard_after_forward=False), the path the other scenarios do not take
-    critic_role = create_backend("fsdp2", _settings(model_dir, value_head=True), reshard_after_forward=False)
+    # and backward (reshard_after_forward=False) and micro-batches are contiguous and full width
+    # (trim_micro_batches=False), the paths the other scenarios do not take
+    critic_role = create_backend("fsdp2", _settings(model_dir, value_head=True), reshard_after_forward=False,
+                                 trim_micro_batches=False)
     results["implements_protocol"] = isinstance(critic_role, TrainingBackend)
     results["critic_steps"] = [(critic_role.train_step(_critic_batch(rows, seed), _critic_loss()),
                                 critic_role.named_weights()) for rows, seed in STEPS]
@@ -213,7 +222,7 @@ def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregati
     rows (uneven shards, placeholder passes, an empty shard; Adam state carried between steps)."""
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(_settings(random_model_dir))
+    single = _single(_settings(random_model_dir))
     before = {name: tensor.clone() for name, tensor in single.named_weights().items()}
     for step, (rows, seed) in enumerate(STEPS):
         expected = single.train_step(_batch(rows, seed), _actor_loss(aggregation))
@@ -230,14 +239,14 @@ def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregati
 def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_rows(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(_settings(random_model_dir))
+    single = _single(_settings(random_model_dir))
     for rows, seed in STEPS:  # the last aggregation's run
         single.train_step(_batch(rows, seed), _actor_loss(AGGREGATIONS[-1]))
     expected = single.forward_logprobs(_batch(7, 10), temperature=0.7)  # [7, T]
     assert rank0["logprobs"].shape == expected.shape
     assert torch.allclose(rank0["logprobs"], expected, atol=1e-5)
     assert torch.equal(rank1["logprobs"], rank0["logprobs"])
-    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
+    frozen = _single(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
     reference = frozen.forward_logprobs(_batch(3, 11))
     assert torch.allclose(rank0["reference_logprobs"], reference, atol=1e-5)
     assert torch.equal(rank1["reference_logprobs"], rank0["reference_logprobs"])
@@ -246,7 +255,7 @@ def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_row
 def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
-    single = TorchBackend(_settings(random_model_dir, value_head=True))
+    single = _single(_settings(random_model_dir, value_head=True))
     batch = _critic_batch(5, 12)
     _assert_metrics_close(rank0["critic_metrics"], single.train_step(batch, CriticLoss("token_mean", None)))
     values = single.forward_values(batch)  # [5, T]
@@ -263,7 +272,7 @@ def test_critic_role_on_two_ranks_takes_the_same_value_loss_steps_as_one_process
     rank0, rank1, _ = two_ranks
     assert rank0["implements_protocol"] and rank1["implements_protocol"]
     torch.manual_seed(0)
-    single = TorchBackend(_settings(random_model_dir, value_head=True))
+    single = _single(_settings(random_model_dir, value_head=True))
     before = {name: tensor.clone() for name, tensor in single.named_weights().items()}
     for step, (rows, seed) in enumerate(STEPS):
         expected = single.train_step(_critic_batch(rows, seed), _critic_loss())
@@ -281,7 +290,7 @@ def test_frozen_two_rank_backend_reads_like_one_process_and_refuses_to_train(two
     """`roles.reference.backend: fsdp2`: no optimizer, no trainable weight, the initial weights, and the same
     logprobs as a frozen TorchBackend on every batch shape (an empty shard on rank 1 for the 1-row batch)."""
     rank0, rank1, _ = two_ranks
-    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
+    frozen = _single(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=MICRO_BATCH))
     for index, (rows, seed) in enumerate(STEPS):
         expected = frozen.forward_logprobs(_batch(rows, seed), temperature=0.7)  # [rows, T]
         assert rank0["reference_steps"][index].shape == expected.shape
@@ -363,10 +372,10 @@ def test_world_size_one_in_process_and_bfloat16_compute(random_model_dir, monkey
         backend.close()
     assert not torch.distributed.is_initialized()
     torch.manual_seed(0)
-    single = TorchBackend(_settings(random_model_dir, max_response_length=8))
+    single = _single(_settings(random_model_dir, max_response_length=8))
     _assert_metrics_close(metrics, single.train_step(_batch(5, 20), loss))
     assert _max_diff(weights, single.named_weights()) <= WEIGHT_TOLERANCE
-    full = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).forward_logprobs(batch)
+    full = _single(TrainerSettings(random_model_dir, trainable=False)).forward_logprobs(batch)
     gap = float((half_logprobs - full).abs().max())
     assert 1e-4 < gap < 0.1  # bfloat16 rounding: visible, but small
 

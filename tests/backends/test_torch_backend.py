@@ -158,3 +158,88 @@ def test_huge_but_finite_weights_are_not_reported_as_non_finite(random_model_dir
     backend.train_step(_batch(), ActorLoss(AlgorithmConfig(), temperature=1.0))
     largest = max(float(p.detach().abs().max()) for p in backend.model.parameters())
     assert 1e25 < largest < float("inf")
+
+
+def _long_tail_batch():
+    """12 rows, prompts of 1-5 tokens; 2 responses of 24 tokens, the rest of 2 (one ending in an env token),
+    with old / reference logprobs, so the actor loss reads every [b, T] extra it can."""
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(12):
+        prompt = torch.randint(3, 60, (1 + (3 * i) % 5,), generator=gen).tolist()
+        response = torch.randint(3, 60, (24 if i in (3, 8) else 2,), generator=gen).tolist()
+        loss_mask = [1, 0] if i == 5 else None  # a tool token at the end
+        samples.append(Sample(prompt, response, loss_mask=loss_mask, group_id=i // 4, reward=float(i % 2)))
+    batch = collate(samples, pad_token_id=0)
+    shape = batch.response_mask.shape  # [12, 24]
+    batch.extras["advantages"] = torch.randn(12, 1, generator=gen) * batch.response_mask
+    batch.extras["old_logprobs"] = -torch.rand(shape, generator=gen) * 4 * batch.response_mask
+    batch.extras["ref_logprobs"] = -torch.rand(shape, generator=gen) * 4 * batch.response_mask
+    return batch
+
+
+class WidthRecorder:
+    """Wraps a loss function and records the [b, t] shape of each micro-batch it is given."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.shapes = loss_fn, []
+
+    def __call__(self, outputs, batch, normalizer):
+        self.shapes.append(tuple(batch.response_mask.shape))
+        return self.loss_fn(outputs, batch, normalizer)
+
+
+def _gradients_and_metrics(model_dir, trim, aggregation):
+    backend = TorchBackend(TrainerSettings(model_dir, lr=1e-2, micro_batch_size=3, max_grad_norm=1e9),
+                           trim_micro_batches=trim)
+    backend.optimizer.step = lambda: None  # keep the accumulated gradient for inspection
+    backend.optimizer.zero_grad = lambda set_to_none=True: None
+    config = AlgorithmConfig(loss_aggregation=aggregation, kl_loss_coef=0.1, entropy_coef=0.01)
+    loss = WidthRecorder(ActorLoss(config, temperature=1.0))
+    metrics = backend.train_step(_long_tail_batch(), loss)
+    return {n: p.grad.clone() for n, p in backend.model.named_parameters()}, metrics, loss.shapes
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_trimmed_length_grouped_micro_batches_give_the_full_width_gradient(random_model_dir, aggregation):
+    """The 2 long rows share the first micro-batch; the other 3 passes are 2 columns wide instead of 24, and
+    the loss, metrics and gradient are the untrimmed ones (seq_mean_token_sum_norm with no
+    max_response_length divides by the BATCH's width, 24, whatever a micro-batch's width)."""
+    full, full_metrics, full_shapes = _gradients_and_metrics(random_model_dir, False, aggregation)
+    trimmed, metrics, shapes = _gradients_and_metrics(random_model_dir, True, aggregation)
+    assert full_shapes == [(3, 24)] * 4
+    assert shapes == [(3, 24), (3, 2), (3, 2), (3, 2)]
+    assert set(metrics) == set(full_metrics)
+    for key, value in full_metrics.items():
+        if key.endswith(("_max", "_min")):
+            continue  # a token-weighted mean of per-micro-batch extremes: it depends on the split anyway
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert any(g.abs().max() > 0 for g in full.values())
+    for name in full:
+        assert torch.allclose(trimmed[name], full[name], atol=1e-7, rtol=1e-4), name
+
+
+def test_trimmed_forward_passes_return_full_width_rows_in_order(random_model_dir):
+    batch = _long_tail_batch()
+    results = {}
+    for trim in (False, True):
+        settings = TrainerSettings(random_model_dir, trainable=False, micro_batch_size=3)
+        results[trim] = TorchBackend(settings, trim_micro_batches=trim).forward_logprobs(batch, temperature=0.7)
+    assert results[True].shape == batch.response_mask.shape == (12, 24)
+    assert torch.allclose(results[True], results[False], atol=1e-5)
+    real = batch.attention_mask[:, batch.prompt_length:] > 0  # [B, T]
+    assert bool((results[True][~real] == 0).all()) and bool((results[True][real] < 0).all())
+
+
+def test_trimmed_value_passes_match_the_full_width_ones(random_model_dir):
+    batch = _long_tail_batch()
+    values = []
+    for trim in (False, True):
+        critic = TorchBackend(TrainerSettings(random_model_dir, trainable=False, value_head=True,
+                                              micro_batch_size=5), trim_micro_batches=trim)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(critic.model.value_head.weight)  # the zero-initialized head would read 0
+        values.append(critic.forward_values(batch))  # [12, 24]
+    assert values[0].abs().max() > 0
+    assert torch.allclose(values[1], values[0], atol=1e-5)

@@ -65,3 +65,55 @@ def test_collate_numbers_the_domains_and_select_keeps_them():
     assert picked.domain_ids.tolist() == [0, 2] and picked.domain_names == batch.domain_names
     assert batch.select(slice(1, 2)).domain_ids.tolist() == [1]
     assert batch.to("meta").domain_ids.device.type == "meta"
+
+
+def _uneven_batch():
+    """P = 3, T = 4:
+    row 0: [1, 2, 3 | 4, _, _, _]
+    row 1: [_, _, 5 | 6, 7, _, _]   (7 is an env token: real, not trained on)
+    row 2: [_, 8, 9 | 10, 11, 12, 13]
+    """
+    samples = [Sample([1, 2, 3], [4]), Sample([5], [6, 7], loss_mask=[1, 0]), Sample([8, 9], [10, 11, 12, 13])]
+    batch = collate(samples, pad_token_id=0)
+    batch.extras["advantages"] = torch.arange(12, dtype=torch.float32).reshape(3, 4) * batch.response_mask
+    batch.extras["scores"] = torch.tensor([0.5, 1.5, 2.5])  # a [B] extra
+    return batch
+
+
+def test_trimmed_drops_the_columns_no_row_of_a_micro_batch_uses():
+    batch = _uneven_batch()
+    assert (batch.prompt_length, batch.response_width) == (3, 4)
+    assert batch.trimmed() is batch  # every column is used by some row
+
+    alone = batch.select(torch.tensor([1])).trimmed()  # 2 leading prompt columns and 2 trailing response ones
+    assert (alone.prompt_length, alone.response_width) == (1, 2)
+    assert alone.input_ids.tolist() == [[5, 6, 7]]
+    assert alone.attention_mask.tolist() == [[1, 1, 1]]
+    assert alone.position_ids.tolist() == [[0, 1, 2]]  # unchanged: counted from the first real token
+    assert alone.response_mask.tolist() == [[1, 0]]  # the env token's column stays: it is a real token
+    assert alone.rollout_logprobs.shape == alone.policy_versions.shape == (1, 2)
+    assert alone.extras["advantages"].tolist() == [[4.0, 0.0]]  # [b, T] extras lose the same columns
+    assert alone.extras["scores"].tolist() == [1.5]  # [b] tensors are unchanged
+    assert alone.response_lengths.tolist() == [2] and alone.domain_ids.tolist() == [0]
+
+    # rows 1 and 0: row 0 uses every prompt column, neither uses response columns 2 and 3
+    pair = batch.select(torch.tensor([1, 0])).trimmed()
+    assert (pair.prompt_length, pair.response_width) == (3, 2)
+    assert pair.input_ids.tolist() == [[0, 0, 5, 6, 7], [1, 2, 3, 4, 0]]
+    assert pair.position_ids.tolist() == batch.position_ids[[1, 0], :5].tolist()
+
+    # rows 1 and 2: the first prompt column goes, every response column stays
+    pair = batch.select(torch.tensor([1, 2])).trimmed()
+    assert (pair.prompt_length, pair.response_width) == (2, 4)
+    assert pair.input_ids.tolist() == [[0, 5, 6, 7, 0, 0], [8, 9, 10, 11, 12, 13]]
+    assert pair.position_ids.tolist() == batch.position_ids[1:, 1:].tolist()
+
+
+def test_trimmed_keeps_one_response_column_and_rejects_extras_of_another_width():
+    batch = collate([Sample([1, 2], []), Sample([3], [])], pad_token_id=0)  # failed samples: no response
+    trimmed = batch.trimmed()
+    assert (trimmed.prompt_length, trimmed.response_width) == (2, 1) and trimmed is batch
+    batch = _uneven_batch()
+    batch.extras["pairs"] = torch.zeros(3, 2)  # neither [B] nor [B, T]
+    with pytest.raises(ValueError, match=r"extras\['pairs'\] has shape \(1, 2\); extras are \[B\] or \[B, T\]"):
+        batch.select(torch.tensor([1])).trimmed()
