@@ -135,7 +135,7 @@ def test_refill_replaces_filtered_groups_until_its_bound(engine):
 
 
 def test_overprovisioning_aborts_the_slowest_groups_and_runs_them_in_a_long_round(ray_session):
-    slow = {5: 3.0, 11: 3.0}  # two long-tail prompts
+    slow = {5: 1.2, 11: 1.2}  # two long-tail prompts
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays=slow, tokens={5: 8, 11: 8})
     settings = StreamSettings(prompts_per_step=4, overprovision=1.5, long_round_every=3)
     stream = _stream([worker], settings, _prompts(40))
