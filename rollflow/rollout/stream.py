@@ -293,7 +293,7 @@ class RolloutStream:
             exhausted = not (self._quota or self._queue or self._in_flight or self._continuing or self._scoring)
             if not exhausted:
                 return None
-            self._bound_hit = self._bound_hit or len(self._ready) < wanted
+            self._bound_hit = True  # nothing more can come: the step trains on fewer groups
         # stalest first in asynchronous mode (they would be dropped next), otherwise in stream order
         self._ready.sort(key=lambda g: ((g.oldest_version() or 0) if self.settings.max_staleness else 0,
                                         g.index))
@@ -301,9 +301,6 @@ class RolloutStream:
         for group in batch:
             self._end(group, GroupState.CONSUMED)
         if self.settings.tail_batching and not long_round:  # the slowest groups of this step give way
-            for _, groups in self._in_flight.values():
-                for group in groups:
-                    group.long = True
             for worker, groups in self._in_flight.values():
                 self.workers[worker].abort.remote([g.request_id for g in groups])
         return batch
@@ -353,6 +350,7 @@ class RolloutStream:
             "rollout/tokens_per_second": self._generated_tokens / max(since_last, 1e-9),
         })
         if self.settings.difficulty_mask is not None:
+            metrics["difficulty_mask/kept_samples"] = float(len(usable(samples)))
             metrics["difficulty_mask/kept_group_frac"] = kept / max(kept + dropped, 1)
         if staleness:
             metrics["staleness/mean"] = statistics.fmean(staleness)

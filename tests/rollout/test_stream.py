@@ -127,6 +127,7 @@ def test_refill_replaces_filtered_groups_until_its_bound(engine):
     assert result.metrics["rollout/refill_prompts"] == 4
     assert result.metrics["rollout/groups/filtered"] == 4
     assert result.metrics["rollout/refill_bound_hit"] == 0
+    assert result.metrics["difficulty_mask/kept_samples"] == 6  # 3 groups x 2 samples
     # the next step: only key 9 of 7..10 is a multiple of 3 (and it raises): the bound is hit with 0 groups
     bounded = stream.next_batch(step=2, policy_version=0)
     assert bounded.metrics["rollout/refill_bound_hit"] == 1
