@@ -18,6 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": BASE,
     "data": BASE,
     "models": BASE,
+    "fresh_model": BASE | {"data"},
     "envs": BASE | {"data"},
     "assets": set(),
     "backends": BASE | {"algorithms", "data", "models"},
@@ -29,8 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": BASE | {"algorithms", "cluster", "data", "engines", "rewards"},
     "workers": BASE | {"algorithms", "data", "models", "backends", "engines", "rewards", "config", "cluster"},
     "pipelines": BASE | {"algorithms", "data", "models", "backends", "engines", "rewards", "config", "cluster",
-                         "trackers", "rollout", "workers"},
-    "cli": BASE | {"config", "pipelines", "workers"},
+                         "trackers", "rollout", "workers", "fresh_model"},
+    "cli": BASE | {"config", "pipelines", "workers", "fresh_model"},
 }
 
 

@@ -69,26 +69,49 @@ class ModelConfig(Strict):
 
 
 class DatasetConfig(Strict):
-    """A prompt dataset: a built-in synthetic `task` or a JSONL `path` (set exactly one)."""
+    """A dataset: a built-in synthetic `task`, or a `path` naming a file, a `datasets` directory or a hub
+    dataset (set exactly one); read by `rollflow.data.tables.read_rows`."""
 
     task: str | None = Field(
         default=None,
         description="A built-in synthetic task: `add2` (two-digit addition) or `sum3` (three one-digit "
                     "numbers). Set this or `path`.")
-    split: Literal["train", "eval"] = Field(
+    split: str = Field(
         default="train",
-        description="Which split of the synthetic `task`: its training rows or its held-out `eval` rows (the "
-                    "same for every run, whatever its seed). Not used with `path`.")
+        description="Which split: of a synthetic `task`, `train` (its training rows) or `eval` (its held-out "
+                    "rows, the same for every run, whatever its seed); of a `datasets` dataset (a hub dataset, "
+                    "a `DatasetDict` saved with `save_to_disk`, a directory of data files), the split name "
+                    "(`test`; slices such as `train[:1000]` work). Ignored for a JSONL or parquet file.")
     path: str | None = Field(
         default=None,
-        description="A JSONL file, one row per line, with a prompt column (`data.prompt_key`) and optionally "
-                    "an answer column and extra columns. Set this or `task`.")
+        description="A JSONL or parquet file, a directory saved with `datasets` `save_to_disk` (or holding data "
+                    "files: `train.jsonl`, `test.parquet`), or a Hugging Face hub dataset name (`owner/name`). "
+                    "Parquet, directories and hub names need `pip install 'rollflow[data]'`. Rows hold the "
+                    "pipeline's columns (for prompts, `data.prompt_key` and optionally an answer column) and any "
+                    "extra columns. Set this or `task`.")
+    subset: str | None = Field(
+        default=None,
+        description="A hub dataset's configuration name (`main` of `openai/gsm8k`); `null`: its default. "
+                    "Only with a hub dataset `path`.")
     limit: int | None = Field(default=None, gt=0, description="Use only the first N rows; `null`: all rows.")
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetConfig:
         if (self.task is None) == (self.path is None):
-            raise ValueError("set exactly one of `task` (built-in synthetic data) or `path` (a JSONL file)")
+            raise ValueError("set exactly one of `task` (built-in synthetic data) or `path` (a JSONL or parquet "
+                             "file, a `datasets` directory or a hub dataset name)")
+        return self
+
+    @model_validator(mode="after")
+    def _split_fits_the_source(self) -> DatasetConfig:
+        if self.task is not None and self.split not in ("train", "eval"):
+            raise ValueError(f"`split: {self.split}` with the built-in `task: {self.task}`: a synthetic task's "
+                             "split is `train` or `eval`")
+        if self.task is not None and self.subset is not None:
+            raise ValueError(f"`subset: {self.subset}` is a hub dataset's configuration; the built-in `task: "
+                             f"{self.task}` has none (drop `subset`)")
+        if not self.split.strip():
+            raise ValueError("`split` is empty: name a split (`train`)")
         return self
 
 

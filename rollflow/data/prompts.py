@@ -1,36 +1,51 @@
-"""Prompt datasets: loading rows (built-in synthetic tasks or JSONL), encoding prompts, and sampling them.
+"""Prompt datasets: loading rows (built-in synthetic tasks or any source `rollflow.data.tables.read_rows`
+reads: JSONL, parquet, a `datasets` directory, a hub dataset), encoding prompts, and sampling them.
 
 A row is a dict with a `prompt` column (the user message), an optional `answer`, and any other columns;
-the whole row is passed to reward functions.
+the whole row is passed to reward functions. Pipelines whose rows have no prompt column (SFT `messages`,
+DPO `prompt` / `chosen` / `rejected`) name their own columns through `load_rows(required=...)`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 from rollflow.data.arithmetic import ARITHMETIC_TASKS, arithmetic_splits
 from rollflow.data.seeds import derive_seed
+from rollflow.data.tables import read_rows
 from rollflow.errors import DataError
 
 Row = dict[str, Any]
 
 
 def load_rows(task: str | None = None, path: str | None = None, split: str = "train",
-              limit: int | None = None, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
-    """Load dataset rows from a built-in `task` (its `split`) or a JSONL file at `path`.
+              limit: int | None = None, prompt_key: str = "prompt", answer_key: str = "answer", *,
+              subset: str | None = None, required: Sequence[str] | None = None) -> list[Row]:
+    """Load dataset rows from a built-in `task` (its `split`) or from `path` (see `read_rows`).
 
     A built-in task's split is fixed (the same held-out rows for every run, whatever its seed). When
     `answer_key` is not "answer", its column is also exposed as `answer` (what rewards read).
 
+    Args:
+        task: a built-in synthetic task (`add2`, `sum3`); set this or `path`.
+        path: a JSONL / parquet file, a `datasets` directory or a hub dataset name (`read_rows`).
+        split: the task's `train` / `eval` rows, or a `datasets` dataset's split; ignored for a file.
+        limit: keep only the first `limit` rows; `None`: all.
+        prompt_key: the prompt column, the one required column by default.
+        answer_key: the answer column, aliased as `answer`.
+        subset: a hub dataset's configuration name.
+        required: the columns every row must have; `None`: `(prompt_key,)`, `()`: none.
+
+    Returns:
+        The rows, in order.
+
     Raises:
-        DataError: unknown task, missing / unreadable / non-UTF-8 file, bad JSON line, missing prompt
-            column, no rows.
+        DataError: unknown task, anything `read_rows` refuses (missing / unreadable / non-UTF-8 file, bad
+            JSON line, ...), a required column missing from a row, no rows.
     """
     if task is not None:
         if task not in ARITHMETIC_TASKS:
@@ -39,7 +54,7 @@ def load_rows(task: str | None = None, path: str | None = None, split: str = "tr
         rows = [dict(r) for r in (train if split == "train" else held_out)]
         source = f"task {task!r}"
     elif path is not None:
-        rows = _read_jsonl(Path(path))
+        rows = read_rows(path, split, subset)
         source = str(path)
     else:
         raise DataError("a dataset needs a `task` or a `path`")
@@ -47,44 +62,23 @@ def load_rows(task: str | None = None, path: str | None = None, split: str = "tr
         rows = rows[:limit]
     if not rows:
         raise DataError(f"dataset {source} has no rows")
-    missing = [i for i, row in enumerate(rows) if prompt_key not in row]
-    if missing:
-        raise DataError(f"dataset {source} has no {prompt_key!r} column (row {missing[0] + 1} lacks it; "
-                        f"columns: {', '.join(sorted(rows[missing[0]]))})")
+    columns = (prompt_key,) if required is None else tuple(required)
+    for number, row in enumerate(rows, start=1):
+        missing = [column for column in columns if column not in row]
+        if missing:
+            raise DataError(f"dataset {source} has no {missing[0]!r} column (row {number} lacks it; "
+                            f"columns: {', '.join(sorted(row)) or 'none'})")
     if answer_key != "answer":
         rows = [{**row, "answer": row[answer_key]} if answer_key in row else row for row in rows]
     return rows
 
 
-def load_dataset(dataset, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
+def load_dataset(dataset, prompt_key: str = "prompt", answer_key: str = "answer",
+                 required: Sequence[str] | None = None) -> list[Row]:
     """Rows of one configured dataset (a `data.train` / `data.eval` section: `task`, `path`, `split`,
-    `limit`), with the config's column names. See `load_rows`."""
-    return load_rows(dataset.task, dataset.path, dataset.split, dataset.limit, prompt_key, answer_key)
-
-
-def _read_jsonl(path: Path) -> list[Row]:
-    if not path.is_file():
-        raise DataError(f"dataset file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise DataError(f"cannot read dataset file {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        line = err.object.count(b"\n", 0, err.start) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x}); a dataset is a "
-                        "JSONL file, one JSON object per line") from None
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{number}: each line must be a JSON object")
-        rows.append(row)
-    return rows
+    `subset`, `limit`), with the config's column names; `required` as in `load_rows`."""
+    return load_rows(dataset.task, dataset.path, dataset.split, dataset.limit, prompt_key, answer_key,
+                     subset=dataset.subset, required=required)
 
 
 @dataclass

@@ -80,8 +80,10 @@ def test_a_binary_or_directory_dataset_is_one_clear_error(tmp_path):
     binary.write_bytes(b'{"prompt": "1+1"}\n\x89PNG\r\n\x1a\n\x00\x00')
     with pytest.raises(DataError, match=r"d\.jsonl:2: not UTF-8 text \(byte 0x89\)"):
         load_rows(path=str(binary))
-    with pytest.raises(DataError, match="it is a directory"):
-        load_rows(path=str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="dataset directory .*empty is empty"):
+        load_rows(path=str(empty))
 
 
 def test_sampler_order_depends_on_seed_and_epoch_only():
