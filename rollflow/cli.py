@@ -1,4 +1,5 @@
-"""`rollflow` command line: train, eval, build-tiny-model.
+"""`rollflow` command line: train (RLVR, or the pipeline a config names), sft, dpo, distill, eval, new-model,
+build-tiny-model.
 
 User errors (bad config, missing files, unloadable reward) print one line and exit with status 2; a run that
 fails at run time (a dead or stalled worker, non-finite training) prints one line and exits with status 1; a
@@ -20,7 +21,18 @@ def _train(args: argparse.Namespace) -> int:
     from rollflow.errors import RollflowError
     from rollflow.pipelines import PIPELINES
 
-    config = load_config(args.config, args.overrides)
+    overrides = args.overrides
+    if args.pipeline is not None:  # `rollflow sft CFG`: the config may leave `pipeline` out, or must say sft
+        from rollflow.config import pipeline_of
+
+        named = pipeline_of(args.config)
+        if named is not None and named != args.pipeline:
+            from rollflow.errors import ConfigError
+
+            raise ConfigError(f"`rollflow {args.pipeline}` runs the {args.pipeline} pipeline, but {args.config} "
+                              f"says `pipeline: {named}`; run `rollflow train {args.config}` or fix the config")
+        overrides = [f"pipeline={args.pipeline}", *overrides]
+    config = load_config(args.config, overrides)
     if args.print_config:
         print(dump_config(config), end="")
         return 0
@@ -74,6 +86,23 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     return build_main(args.rest)
 
 
+def _new_model(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from rollflow.fresh_model import save_fresh_model
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar around the two lines we print
+    given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads,
+             "num_kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
+             "max_positions": args.max_positions}
+    # Sizes left out take `fresh_qwen2_config`'s defaults, so they are written down in one place.
+    num_params = save_fresh_model(args.out, seed=args.seed,
+                                  **{name: value for name, value in given.items() if value is not None})
+    print(f"model directory: {args.out}")
+    print(f"parameters: {num_params:,}")
+    return 0
+
+
 def _remote_cause(err: BaseException) -> BaseException:
     """The worker's own exception when `err` came out of a Ray actor (whose message is a whole traceback)."""
     cause = getattr(err, "cause", None)
@@ -90,7 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--print-plan", action="store_true",
                        help="print which worker of which role sits on which device and node, and exit")
-    train.set_defaults(handler=_train)
+    train.set_defaults(handler=_train, pipeline=None)
+
+    for name, what in (("sft", "supervised fine-tuning on conversations"),
+                       ("dpo", "preference optimization (DPO, IPO, cDPO) against a frozen reference"),
+                       ("distill", "logit distillation from a teacher (roles.reference.model_path)")):
+        command = commands.add_parser(name, help=f"{what} (+ key.path=value overrides)")
+        command.add_argument("config", help=f"YAML config file (`pipeline: {name}` may be left out)")
+        command.add_argument("overrides", nargs="*", help="overrides like train.steps=200")
+        command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        command.add_argument("--print-plan", action="store_true", help="print the placement plan and exit")
+        command.set_defaults(handler=_train, pipeline=name)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
     evaluate.add_argument("--model", required=True, help="bundled name, HF directory, checkpoint or hub id")
@@ -104,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 add_help=False)
     build.add_argument("rest", nargs=argparse.REMAINDER)
     build.set_defaults(handler=_build_tiny_model)
+
+    new = commands.add_parser(
+        "new-model", help="save a randomly initialized small Qwen2 with the ASCII character tokenizer",
+        description="Save a randomly initialized Qwen2 causal LM and the ASCII character tokenizer. Sizes "
+        "not given are the bundled tiny model's (hidden 128, 4 layers, 4 heads, 2 key-value heads, MLP 512, "
+        "256 positions: ~1M parameters).")
+    new.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
+    new.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")
+    new.add_argument("--hidden-size", type=int, help="width of the residual stream")
+    new.add_argument("--layers", type=int, help="decoder layers")
+    new.add_argument("--heads", type=int, help="query heads; must divide --hidden-size into an even head size")
+    new.add_argument("--kv-heads", type=int, help="key-value heads; must divide --heads")
+    new.add_argument("--intermediate-size", type=int, help="MLP width")
+    new.add_argument("--max-positions", type=int, help="context length in tokens")
+    new.set_defaults(handler=_new_model)
     return parser
 
 

@@ -8,8 +8,15 @@ Shapes: B samples, T response tokens (right-padded), `mask` [B, T] float 1.0 on 
 from rollflow.algorithms.advantages import AdvantageInputs
 from rollflow.algorithms.aggregation import LossNormalizer, aggregate_loss, loss_normalizer
 from rollflow.algorithms.corrections import masked_is, train_infer_correction, truncated_is_weights
+from rollflow.algorithms.distillation import DIVERGENCES, distill_token_loss, restrict_to_topk
 from rollflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from rollflow.algorithms.policy_losses import PolicyLossInputs, entropy_from_logits
+from rollflow.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    pair_weights,
+    preference_metrics,
+    sequence_logprob_sums,
+)
 from rollflow.algorithms.registries import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
@@ -60,4 +67,11 @@ __all__ = [
     "train_infer_correction",
     "truncated_is_weights",
     "whiten",
+    "DIVERGENCES",
+    "PREFERENCE_LOSSES",
+    "distill_token_loss",
+    "pair_weights",
+    "preference_metrics",
+    "restrict_to_topk",
+    "sequence_logprob_sums",
 ]

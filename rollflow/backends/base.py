@@ -325,19 +325,22 @@ class TrainingBackendBase:
     # ---- forward --------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _forward_response(self, batch: Batch, read: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
-        """`read(micro) -> [b, t]` on every pass. Returns the real passes' rows (0 on padding), padded back
-        to the batch's width T, put back in row order and joined into [B, T] on CPU."""
+    def _forward_response(self, batch: Batch, read: Callable[[Batch], torch.Tensor],
+                          trailing: tuple[int, ...] = ()) -> torch.Tensor:
+        """`read(micro) -> [b, t, *trailing]` on every pass. Returns the real passes' rows (0 on padding),
+        padded back to the batch's width T, put back in row order and joined into [B, T, *trailing] on CPU."""
         self.model.eval()
         parts, part_rows = [], []
         for micro, rows in self._passes(batch):
-            values = read(micro)  # [b, t]; run on placeholder passes too, for the collectives
+            values = read(micro)  # [b, t, *trailing]; run on placeholder passes too, for the collectives
             if rows is not None:
-                values = values * (micro.attention_mask[:, micro.prompt_length:] > 0)  # [b, t], 0 on padding
-                parts.append(torch.nn.functional.pad(values, (0, batch.response_width - values.shape[1])))
+                real = micro.attention_mask[:, micro.prompt_length:] > 0  # [b, t]
+                values = values * real.view(*real.shape, *(1,) * len(trailing))  # 0 on padding
+                widen = (0, 0) * len(trailing) + (0, batch.response_width - values.shape[1])
+                parts.append(torch.nn.functional.pad(values, widen))
                 part_rows.append(rows)
         if not parts:  # a data-parallel rank with no rows
-            return self._join_rows(torch.zeros(0, batch.response_width, device=self.device), batch)
+            return self._join_rows(torch.zeros(0, batch.response_width, *trailing, device=self.device), batch)
         joined = torch.cat(parts)  # [n, T] in pass order
         local = torch.empty_like(joined)
         local[torch.cat(part_rows).to(joined.device)] = joined  # [n, T] in row order
@@ -349,6 +352,28 @@ class TrainingBackendBase:
 
         self.require_resident("forward_logprobs")
         return self._forward_response(batch, lambda micro: response_logprobs(self.model, micro, temperature))
+
+    def forward_top_k(self, batch: Batch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely next tokens at every response position (a distillation teacher's output).
+
+        Returns:
+            (ids [B, T, k] long, logprobs [B, T, k]: the full-vocabulary log-softmax of logits / temperature
+            at those ids, most likely first), on CPU; 0 where padded.
+        """
+        from rollflow.backends.logprobs import model_logits
+
+        self.require_resident("forward_top_k")
+
+        def read(micro: Batch) -> torch.Tensor:
+            logprobs = torch.log_softmax(model_logits(self.model, micro) / temperature, dim=-1)  # [b, t, V]
+            if logprobs.shape[-1] >= 2**24:
+                raise ValueError("token ids above 2**24 do not survive the float transfer of forward_top_k")
+            values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [b, t, k] each
+            return torch.cat([values, ids.float()], dim=-1)  # [b, t, 2k]: one tensor through the row join
+
+        width = min(k, self.model.config.vocab_size)
+        joined = self._forward_response(batch, read, trailing=(2 * width,))  # [B, T, 2k]
+        return joined[..., width:].long(), joined[..., :width]
 
     def forward_values(self, batch: Batch) -> torch.Tensor:
         """Values of the batch's response tokens (value head only). Returns [B, T] on CPU (0 where padded)."""

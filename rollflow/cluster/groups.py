@@ -79,15 +79,16 @@ class WorkerGroup:
         `timeout_s`; a failure raises one line (`rollflow.cluster.calls.get`)."""
         return calls.get(refs, self.role, method, indices, self.timeout_s)
 
-    def map_rows(self, method: str, batch: Batch) -> torch.Tensor:
-        """Split `batch` into contiguous row blocks, one per worker, call `method` on each block and
-        concatenate the [b, T] results: plain data parallelism for workers with no collectives."""
+    def map_rows(self, method: str, batch: Batch, *args: Any) -> torch.Tensor:
+        """Split `batch` into contiguous row blocks, one per worker, call `method(block, *args)` on each and
+        concatenate the [b, T, ...] results: plain data parallelism for workers with no collectives."""
         blocks = [rows for rows in torch.arange(batch.size).tensor_split(len(self.handles)) if rows.numel()]
-        refs = [getattr(handle, method).remote(batch.select(rows))
+        refs = [getattr(handle, method).remote(batch.select(rows), *args)
                 for handle, rows in zip(self.handles, blocks)]
         parts = self.get(refs, method, list(range(len(refs))))
         width = max(part.shape[1] for part in parts)
-        return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
+        return torch.cat([torch.nn.functional.pad(part, (0, 0) * (part.dim() - 2) + (0, width - part.shape[1]))
+                          for part in parts])
 
     def nodes(self) -> list[str]:
         """The Ray node id each worker runs on."""

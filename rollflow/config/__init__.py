@@ -15,6 +15,7 @@ from rollflow.config.loading import (
     config_model,
     dump_config,
     load_config,
+    pipeline_of,
 )
 from rollflow.config.rlvr import (
     AlgorithmConfig,
@@ -44,6 +45,13 @@ from rollflow.config.sections import (
     TrainConfig,
     TrainerRoleConfig,
 )
+from rollflow.config.supervised import (
+    DistillConfig,
+    DPOConfig,
+    SFTConfig,
+    SupervisedDataConfig,
+    SupervisedTrainConfig,
+)
 
 __all__ = [
     "BUNDLED_MODEL",
@@ -54,7 +62,9 @@ __all__ = [
     "AlgorithmConfig",
     "ChecksConfig",
     "ClusterConfig",
+    "DPOConfig",
     "DataConfig",
+    "DistillConfig",
     "DatasetConfig",
     "DomainConfig",
     "EvalConfig",
@@ -70,6 +80,9 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "RunConfigBase",
+    "SFTConfig",
+    "SupervisedDataConfig",
+    "SupervisedTrainConfig",
     "TrainConfig",
     "TrainInferCorrectionConfig",
     "TrainerRoleConfig",
@@ -78,4 +91,5 @@ __all__ = [
     "config_model",
     "dump_config",
     "load_config",
+    "pipeline_of",
 ]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from rollflow.config.rlvr import RLVRConfig
 from rollflow.config.sections import RunConfigBase
+from rollflow.config.supervised import DistillConfig, DPOConfig, SFTConfig
 from rollflow.errors import ConfigError
 from rollflow.registry import Registry
 
@@ -27,6 +28,9 @@ DEFAULT_PIPELINE = "rlvr"
 # `rollflow.pipelines.PIPELINES`).
 PIPELINE_CONFIGS: Registry[type[RunConfigBase]] = Registry("pipeline")
 PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
+PIPELINE_CONFIGS.register("sft")(SFTConfig)
+PIPELINE_CONFIGS.register("dpo")(DPOConfig)
+PIPELINE_CONFIGS.register("distill")(DistillConfig)
 
 RunConfig = Annotated[Union[tuple(PIPELINE_CONFIGS[name] for name in PIPELINE_CONFIGS)],  # noqa: UP007
                       Field(discriminator="pipeline")]
@@ -123,7 +127,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parsed.append((key.strip(), value))
     tree.update({key: value for key, value in parsed if key == "pipeline"})
     if parsed:
-        defaults = config_model(tree.get("pipeline", DEFAULT_PIPELINE))().model_dump(mode="json")
+        defaults = config_model(tree.get("pipeline", DEFAULT_PIPELINE)).model_construct().model_dump(mode="json")
     for key, value in parsed:
         _set_dotted(tree, key, value, defaults)
     return tree
@@ -164,7 +168,8 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), near[0]])!r}?" if near else ""
         return f"unknown config key {where!r}{hint} (valid here: {', '.join(valid)})"
     message = error["msg"].removeprefix("Value error, ")
-    if error["type"] in ("value_error", "assertion_error") and (not loc or isinstance(error.get("input"), dict)):
+    if error["type"] in ("value_error", "assertion_error") and (not loc or isinstance(error.get("input"),
+                                                                                    dict | BaseModel)):
         return f"{where}: {message}" if loc else message
     return f"{where}: {message} (got {error.get('input')!r})"
 
@@ -190,6 +195,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         tree = _read_config_file(Path(path))
     return build_config(apply_overrides(tree, overrides or []))
+
+
+def pipeline_of(path: str | Path) -> str | None:
+    """The `pipeline` a config file names, None when it names none. Raises `ConfigError` for an unreadable
+    file, as `load_config` would."""
+    return _read_config_file(Path(path)).get("pipeline")
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

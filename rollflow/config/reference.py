@@ -76,7 +76,7 @@ def render_config_reference() -> str:
         Markdown text ending in one newline; the same for the same schema.
     """
     parts = [INTRODUCTION, _pipelines_table(), "## Keys every pipeline has"]
-    parts += _sections(RunConfigBase, list(RunConfigBase.model_fields), shared=True)
+    parts += _sections(RunConfigBase, _shared_fields(), shared=True)
     for name in PIPELINE_CONFIGS:
         model = PIPELINE_CONFIGS[name]
         parts.append(f"## Pipeline `{name}`\n\n{_summary(model)}")
@@ -84,11 +84,18 @@ def render_config_reference() -> str:
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"
 
 
-def _own_fields(model: type[RunConfigBase]) -> list[str]:
-    """The fields a pipeline's model adds to `RunConfigBase` or redefines (the `pipeline` key aside)."""
+def _shared_fields() -> list[str]:
+    """The fields of `RunConfigBase` that every pipeline keeps as they are (a section some pipeline redefines,
+    like the supervised pipelines' `data`, is listed under each pipeline instead)."""
     base = RunConfigBase.model_fields
-    return [name for name, field in model.model_fields.items()
-            if name != "pipeline" and (name not in base or field.annotation != base[name].annotation)]
+    return [name for name, field in base.items() if name == "pipeline"
+            or all(PIPELINE_CONFIGS[p].model_fields[name].annotation == field.annotation for p in PIPELINE_CONFIGS)]
+
+
+def _own_fields(model: type[RunConfigBase]) -> list[str]:
+    """The fields a pipeline's model adds to the shared ones or redefines (the `pipeline` key aside)."""
+    shared = _shared_fields()
+    return [name for name in model.model_fields if name != "pipeline" and name not in shared]
 
 
 def _pipelines_table() -> str:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from rollflow.data.sample import Sample
+from rollflow.errors import DataError
 
 Item = TypeVar("Item")
 
@@ -102,7 +103,121 @@ def encode_sft_rows(
     return [encode_sft_sample(tokenizer, row[prompt_key], row[response_key], row) for row in rows]
 
 
-def shuffled_batches(items: Sequence[Item], batch_size: int, seed: int) -> Iterator[list[Item]]:
+class ConversationEncoder:
+    """Rows of full conversations as training `Sample`s: the prompt part is what an engine would be handed,
+    the response part every later token, `loss_mask` 1 exactly on the assistant's tokens.
+
+    A row is either a chat (`messages_key`: a list of `{role, content}` turns, system / user / assistant, in
+    any number) or a prompt and a response (`prompt_key`, `response_key`). With a chat template, each turn is
+    rendered and tokenized once per prefix of the conversation: the tokens a turn adds are the difference
+    between the conversation up to it and up to the turn before, so the assistant's tokens are its content and
+    the end-of-turn tokens the template appends after it, never the header (`<|assistant|>`) the generation
+    prompt already holds. Every prefix must tokenize to a token prefix of the next (else the mask would be
+    ill-defined, a `DataError`). Without a template: prompt text, response text, EOS.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        messages_key, prompt_key, response_key: the row's columns.
+        apply_chat_template: use the tokenizer's chat template when it has one.
+        max_tokens: the longest conversation, in tokens; longer is a `DataError`.
+    """
+
+    def __init__(self, tokenizer, messages_key: str = "messages", prompt_key: str = "prompt",
+                 response_key: str = "response", apply_chat_template: bool = True, max_tokens: int = 512):
+        self.tokenizer = tokenizer
+        self.messages_key, self.prompt_key, self.response_key = messages_key, prompt_key, response_key
+        self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.max_tokens = max_tokens
+
+    def encode(self, row: dict[str, Any], response: Any = None) -> Sample:
+        """The sample of `row`, or of its prompt with `response` instead of its own (DPO's chosen / rejected).
+
+        Raises:
+            DataError: a missing / malformed column, a template that does not extend its own prefixes, no
+                assistant token to train on, or more than `max_tokens` tokens.
+        """
+        if response is None and self.messages_key in row:
+            messages = _messages(row[self.messages_key], self.messages_key)
+        else:
+            prompt = row.get(self.prompt_key)
+            response = row.get(self.response_key) if response is None else response
+            if not isinstance(response, str):
+                column = self.response_key if response is None else "response"
+                raise DataError(f"no {self.messages_key!r} column and the response (column {column!r}) is "
+                                f"{'missing' if response is None else type(response).__name__}, not a string")
+            if isinstance(prompt, list):
+                messages = _messages(prompt, self.prompt_key) + [{"role": "assistant", "content": response}]
+            elif isinstance(prompt, str):
+                messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            else:
+                raise DataError(f"the prompt (column {self.prompt_key!r}) must be a string or chat turns, not "
+                                f"{type(prompt).__name__}")
+        ids, mask = self._tokens(messages)
+        if len(ids) > self.max_tokens:
+            raise DataError(f"the conversation has {len(ids)} tokens, over data.max_tokens={self.max_tokens}")
+        first = mask.index(1) if 1 in mask else len(mask)
+        if first == len(mask):
+            raise DataError("the conversation has no assistant tokens to train on")
+        if first == 0:
+            raise DataError("the conversation starts with an assistant turn; it needs a prompt before it")
+        return Sample(prompt_ids=ids[:first], response_ids=ids[first:], loss_mask=mask[first:],
+                      prompt_text=self.tokenizer.decode(ids[:first]), row=dict(row))
+
+    def _tokens(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """Token ids of the whole conversation and a 0/1 mask, 1 on the assistant's tokens."""
+        tokenizer = self.tokenizer
+        if not self.use_template:
+            if [m["role"] for m in messages] != ["user", "assistant"]:
+                raise DataError("chat rows need a chat template (data.apply_chat_template is false or the "
+                                "tokenizer has none); give prompt / response columns")
+            prompt = tokenizer.encode(messages[0]["content"], add_special_tokens=False)
+            answer = tokenizer.encode(messages[1]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+        ids: list[int] = []
+        mask: list[int] = []
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":  # its header belongs to the prompt, as at generation time
+                ids, mask = self._extend(ids, mask, messages[:index], 0, generation_prompt=True)
+            ids, mask = self._extend(ids, mask, messages[: index + 1], int(message["role"] == "assistant"))
+        return ids, mask
+
+    def _extend(self, ids: list[int], mask: list[int], messages: list[dict[str, str]], value: int,
+                generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        if not messages:
+            return ids, mask
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                      tokenize=False)
+        except Exception as err:  # jinja or the template's own raise_exception
+            raise DataError(f"the chat template cannot render the row ({_first_line(err)})") from None
+        longer = self.tokenizer.encode(text, add_special_tokens=False)
+        if longer[: len(ids)] != ids:
+            raise DataError("the chat template does not render a conversation as a token prefix of its "
+                            "continuation, so the loss mask is ill-defined; use prompt / response rows with "
+                            "data.apply_chat_template: false")
+        return longer, mask + [value] * (len(longer) - len(ids))
+
+
+def _messages(value: Any, column: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"column {column!r} must be a non-empty list of {{role, content}} turns")
+    for turn in value:
+        if not (isinstance(turn, dict) and turn.get("role") in ("system", "user", "assistant")
+                and isinstance(turn.get("content"), str)):
+            raise DataError(f"column {column!r}: each turn is {{role: system | user | assistant, content: "
+                            f"string}}, got {turn!r:.80}")
+    return [{"role": turn["role"], "content": turn["content"]} for turn in value]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
+
+
+
+
+def shuffled_batches(items: Sequence[Item], batch_size: int, seed: int,
+                     shuffle: bool = True) -> Iterator[list[Item]]:
     """Endless full batches: each epoch visits every item once in a seed-determined order.
 
     One `random.Random(seed)` reshuffles the same index list at the start of every epoch. A last partial
@@ -112,6 +227,7 @@ def shuffled_batches(items: Sequence[Item], batch_size: int, seed: int) -> Itera
         items: what to batch (samples, rows).
         batch_size: items per batch, in 1..len(items).
         seed: the shuffle seed.
+        shuffle: False keeps the items' order every epoch.
 
     Returns:
         An endless iterator of `batch_size`-item lists. Raises `ValueError` (on the first `next`) for a
@@ -122,6 +238,7 @@ def shuffled_batches(items: Sequence[Item], batch_size: int, seed: int) -> Itera
     rng = random.Random(seed)
     order = list(range(len(items)))
     while True:
-        rng.shuffle(order)
+        if shuffle:
+            rng.shuffle(order)
         for start in range(0, len(order) - batch_size + 1, batch_size):
             yield [items[index] for index in order[start : start + batch_size]]

@@ -39,3 +39,6 @@ class Pipeline:
 PIPELINES: Registry[Pipeline] = Registry("pipeline")
 PIPELINES.register("rlvr")(Pipeline(PIPELINE_CONFIGS["rlvr"], "rollflow.pipelines.rlvr:rlvr_roles",
                                     "rollflow.pipelines.rlvr:run_rlvr"))
+for _name in ("sft", "dpo", "distill"):  # one driver, three objectives (rollflow.pipelines.supervised)
+    PIPELINES.register(_name)(Pipeline(PIPELINE_CONFIGS[_name], "rollflow.pipelines.supervised:supervised_roles",
+                                       "rollflow.pipelines.supervised:run_supervised"))

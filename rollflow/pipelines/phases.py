@@ -20,7 +20,9 @@ from rollflow.workers.reward import build_reward_fn
 
 def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> RolloutScheduler:
     """The run's scheduler over its engine workers, scoring with its rewards (model rewards on the `reward`
-    group, plain ones on a reward pool), deterministic per `rollout.deterministic`."""
+    group, plain ones on a reward pool), deterministic per `rollout.deterministic` (always, for a pipeline
+    without a rollout section: its greedy eval)."""
+    rollout = getattr(config, "rollout", None)
     reward_fn = build_reward_fn(config.reward, groups.get("reward"))
 
     def decode(token_ids: list[int]) -> str:
@@ -28,7 +30,7 @@ def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> Ro
 
     return RolloutScheduler(groups["actor_infer"].handles, reward_fn, decode,
                             config.roles.actor_infer.max_in_flight_requests, seed=config.seed,
-                            deterministic=config.rollout.deterministic, watchdog_s=config.cluster.watchdog_s)
+                            deterministic=rollout is None or rollout.deterministic, watchdog_s=config.cluster.watchdog_s)
 
 
 def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sampler,

@@ -22,14 +22,13 @@ from rollflow.pipelines.preflight import build_sampler, check_inputs
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
-    write_driver_state,
+    save_checkpoint,
     write_placement,
 )
 from rollflow.rollout.filters import check_some_succeeded, usable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.stream import RolloutStream
 from rollflow.trackers import MetricsTracker
-from rollflow.trackers.durable_files import disk_full_as_error
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.advantages import AdvantageStage
@@ -207,19 +206,6 @@ def driver_state(step: int, stream: RolloutStream, advantages: AdvantageStage, i
     trained yet, which a resume generates again), reward and KL statistics. Taken when the step ends."""
     return {"step": step, "stream": stream.state(), "advantage_stage": advantages.state(),
             "initial_eval": initial_eval}
-
-
-def save_checkpoint(run_dir: Path, groups: WorkerGroups, state: dict) -> Path:
-    """`checkpoints/step_N`: model (HF format) + optimizer/RNG from the trainer (and critic), then the
-    driver's `state` (written last: it marks the checkpoint complete). Raises DiskFullError on a full disk."""
-    path = run_dir / "checkpoints" / f"step_{state['step']}"
-    with disk_full_as_error(path):
-        path.mkdir(parents=True, exist_ok=True)
-        groups["actor_train"].call("save", str(path / "model"))
-        if "critic" in groups:
-            groups["critic"].call("save", str(path / "critic"))
-    write_driver_state(path, state)
-    return path
 
 
 def load_checkpoint(path: Path, groups: WorkerGroups, stream: RolloutStream,

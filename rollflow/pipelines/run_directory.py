@@ -72,6 +72,19 @@ def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
     return PreparedRunDir(resume_from, resumed_at, note)
 
 
+def save_checkpoint(run_dir: Path, groups: WorkerGroups, state: dict) -> Path:
+    """`checkpoints/step_N`: model (HF format) + optimizer/RNG from the trainer (and critic), then the
+    driver's `state` (written last: it marks the checkpoint complete). Raises DiskFullError on a full disk."""
+    path = run_dir / "checkpoints" / f"step_{state['step']}"
+    with disk_full_as_error(path):
+        path.mkdir(parents=True, exist_ok=True)
+        groups["actor_train"].call("save", str(path / "model"))
+        if "critic" in groups:
+            groups["critic"].call("save", str(path / "critic"))
+    write_driver_state(path, state)
+    return path
+
+
 def latest_checkpoint(checkpoints: Path) -> Path | None:
     """The newest `step_N` under `checkpoints` whose driver state was written (so every part of it was)."""
     done = [(step, path) for path in checkpoints.glob("step_*")

@@ -68,6 +68,9 @@ class ActorTrainWorker(PlacedWorker):
         if self.mini_batches > 1 and "old_logprobs" not in batch.extras:
             # later mini-batches see moved weights: ratios need the old policy
             batch.extras["old_logprobs"] = self.backend.forward_logprobs(batch, self.temperature)  # [B, T]
+        prepare = getattr(self.loss, "prepare", None)  # an objective that needs the whole batch first
+        if prepare is not None:
+            metrics.update(prepare(batch, self.backend))
         if "old_logprobs" in batch.extras:
             gap = (batch.extras["old_logprobs"] - batch.rollout_logprobs).abs()  # [B, T]
             gap = gap * batch.response_mask

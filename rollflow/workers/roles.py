@@ -170,9 +170,10 @@ def _open_broadcast(actor_train: WorkerGroup, actor_infer: WorkerGroup) -> None:
     actor_train.get([hosting], "open_broadcast")
 
 
-def forward_rows(group: WorkerGroup, backend: str, method: str, batch: Batch) -> torch.Tensor:
-    """A frozen forward (`method` returns [b, T]) over a trainer role's workers: fsdp2 ranks each take the
-    whole batch (a collective; they shard it themselves), torch replicas each take a block of rows."""
+def forward_rows(group: WorkerGroup, backend: str, method: str, batch: Batch, *args: Any) -> torch.Tensor:
+    """A frozen forward (`method(batch, *args)` returns [b, T, ...]) over a trainer role's workers: fsdp2 ranks
+    each take the whole batch (a collective; they shard it themselves), torch replicas each take a block of
+    rows."""
     if backend == "fsdp2":
-        return group.call(method, batch)
-    return group.map_rows(method, batch)
+        return group.call(method, batch, *args)
+    return group.map_rows(method, batch, *args)

@@ -48,11 +48,15 @@ def undescribed_fields(model: type[BaseModel]) -> list[str]:
             for name, field in reached.model_fields.items() if not (field.description or "").strip()]
 
 
-def table_rows(text: str) -> dict[str, tuple[str, str, str]]:
-    """Key -> (type, default, description) of every table row `| `key` | `type` | default | description |`."""
+def table_rows(text: str, pipeline: str = "rlvr") -> dict[str, tuple[str, str, str]]:
+    """Key -> (type, default, description) of every table row `| `key` | `type` | default | description |` of
+    the keys every pipeline has and of `pipeline`'s own sections (other pipelines may reuse a key's name)."""
     rows = {}
+    other_pipeline = False
     for line in text.splitlines():
-        match = re.match(r"^\| `([^`]+)` \| `(.*?)` \| (.*?) \| (.*) \|$", line)
+        if line.startswith("## "):
+            other_pipeline = line.startswith("## Pipeline `") and line != f"## Pipeline `{pipeline}`"
+        match = not other_pipeline and re.match(r"^\| `([^`]+)` \| `(.*?)` \| (.*?) \| (.*) \|$", line)
         if match:
             assert match.group(1) not in rows, f"key {match.group(1)} has two rows"
             rows[match.group(1)] = (match.group(2), match.group(3), match.group(4))
@@ -126,9 +130,12 @@ def test_reference_has_the_keys_users_look_for():
     assert "[algorithms.md](algorithms.md)" in rows["algorithm.advantage"][2]
 
 
-def test_reference_lists_every_key_of_the_default_config():
-    rows = table_rows(render_config_reference())
-    printed = yaml.safe_load(dump_config(load_config(None)))  # what --print-config prints
+@pytest.mark.parametrize("pipeline", list(PIPELINE_CONFIGS))
+def test_reference_lists_every_key_of_each_pipelines_default_config(pipeline):
+    rows = table_rows(render_config_reference(), pipeline)
+    overrides = [f"pipeline={pipeline}"] + ([] if pipeline == "rlvr" else ["data.train.task=add2"]) \
+        + (["roles.reference.model_path=tiny"] if pipeline == "distill" else [])
+    printed = yaml.safe_load(dump_config(load_config(None, overrides)))  # what --print-config prints
     missing = [key for key in leaf_keys(printed) if key not in rows]
     assert not missing, f"keys of --print-config missing from the reference: {', '.join(missing)}"
 

@@ -1,0 +1,257 @@
+"""Supervised pipelines: SFT, DPO and logit distillation. batch of rows -> (reference / teacher) -> train ->
+eval, one optimizer step per step, on the same workers, placement and run directory as RLVR.
+
+The three differ only in the trainer's objective (`rollflow.workers.objectives`: `nll`, `preference`,
+`distill`) and in what a batch carries to it: DPO rows alternate chosen and rejected with the reference's
+log-probs; distillation rows carry the teacher's top-k log-probs, computed on the `reference` worker (the
+teacher, `roles.reference.model_path`) and sent with the batch to the student's ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+import torch
+
+from rollflow.algorithms.preference import preference_metrics, sequence_logprob_sums
+from rollflow.cluster.colocation import ColocationManager
+from rollflow.cluster.groups import WorkerGroups
+from rollflow.cluster.runtime import pin_threads
+from rollflow.data.sample import Batch, Sample, collate
+from rollflow.data.supervised import shuffled_batches
+from rollflow.engines.base import SamplingParams
+from rollflow.pipelines.interrupts import StopSignals
+from rollflow.pipelines.phases import evaluate, rollout_scheduler, sync_weights
+from rollflow.pipelines.run_directory import (
+    prepare_run_dir,
+    read_driver_state,
+    save_checkpoint,
+    write_placement,
+)
+from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
+from rollflow.trackers import MetricsTracker
+from rollflow.trackers.plots import plot_curves
+from rollflow.workers.objectives import pair_logratios
+from rollflow.workers.roles import forward_rows, running_roles
+
+PHASES: dict[str, tuple[str, ...]] = {
+    "reference": ("reference",),  # DPO's reference log-probs, distillation's teacher
+    "train": ("actor_train",),
+    "weight_sync": ("actor_train", "actor_infer"),
+    "rollout": ("actor_infer",),  # the greedy eval
+    "checkpoint": ("actor_train",),
+}
+OBJECTIVES = {"sft": "nll", "dpo": "preference", "distill": "distill"}
+EVAL_BATCH_ROWS = 256  # rows per eval forward call
+
+
+def supervised_roles(config) -> list[str]:
+    """actor_train; the reference (DPO without LoRA) or the teacher (distillation); actor_infer for the greedy
+    eval."""
+    roles = ["actor_train"]
+    if config.pipeline == "distill" or config.pipeline == "dpo" and config.roles.actor_train.lora is None:
+        roles.append("reference")
+    if config.eval.greedy_accuracy:
+        roles.append("actor_infer")
+    return roles
+
+
+def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
+    """Run an SFT, DPO or distillation config. Returns the final metrics (with `initial_eval/...`).
+
+    Args:
+        config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
+        manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
+    """
+    pin_threads(1)
+    roles = supervised_roles(config)
+    inputs = check_supervised_inputs(config, roles)
+    for warning in inputs.warnings:
+        print(f"rollflow: warning: {warning}", file=sys.stderr)
+    config = with_resolved_steps(config, len(inputs.train))
+    pad = inputs.tokenizer.pad_token_id
+    prepared = prepare_run_dir(config)
+    role_args = {"actor_train": (OBJECTIVES[config.pipeline],)}
+    with StopSignals() as stop, running_roles(config, roles, role_args, manage_ray) as groups:
+        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
+        if prepared.note:
+            tracker.print(prepared.note)
+        tracker.print(groups.plan.describe())
+        tracker.print(f"{len(inputs.train)} training rows, {config.train.batch_size} a step, "
+                      f"{config.train.steps} steps")
+        write_placement(config.run_dir / "placement.json", groups)
+        colocation = ColocationManager(groups.plan, dict(groups), PHASES)
+        scheduler = rollout_scheduler(config, groups, inputs.tokenizer) if "actor_infer" in groups else None
+        batches = shuffled_batches(inputs.train, config.train.batch_size, config.seed, config.data.shuffle)
+        first_step, initial_eval = 0, {}
+        if prepared.resume_from:
+            state = read_driver_state(prepared.resume_from)
+            first_step, initial_eval = state["step"], state.get("initial_eval", {})
+            groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
+            for _ in range(first_step):  # the data position: one batch per step
+                next(batches)
+            tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
+        else:
+            initial_eval = evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, 0)
+            tracker.log(0, initial_eval)
+            tracker.print(describe_eval("initial eval", initial_eval))
+
+        metrics: dict[str, float] = {}
+        finished = {"step": first_step, "initial_eval": initial_eval}
+        saved_step = first_step
+        try:
+            for step in range(first_step + 1, config.train.steps + 1):
+                started = time.perf_counter()
+                batch = training_batch(next(batches), config, groups, colocation, pad)
+                with stop.critical():
+                    colocation.enter("train")
+                    metrics = groups["actor_train"].call("train", batch)
+                    metrics.update(colocation.pop_metrics())
+                    last = step == config.train.steps
+                    if last or config.eval.every_steps and step % config.eval.every_steps == 0:
+                        metrics.update(evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, step))
+                        last = last or reached_target(config, metrics)
+                    metrics["time/step"] = time.perf_counter() - started
+                    tracker.log(step, metrics)
+                    finished = {"step": step, "initial_eval": initial_eval}
+                    if last or config.output.save_every_steps and step % config.output.save_every_steps == 0:
+                        save_checkpoint(config.run_dir, groups, finished)
+                        saved_step = step
+                if last:
+                    break
+        except KeyboardInterrupt:
+            if config.output.save_on_interrupt and finished["step"] > saved_step:
+                tracker.print(f"interrupted: saving step {finished['step']} (interrupt again to skip it)")
+                colocation.enter("checkpoint")
+                save_checkpoint(config.run_dir, groups, finished)
+            tracker.print(f"interrupted after step {finished['step']}: resume=true continues from the newest "
+                          "checkpoint")
+            tracker.close()
+            raise
+
+        final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
+        tracker.print(describe_eval(f"after {finished['step']} steps", metrics))
+        tracker.close()
+        plot_curves(config.run_dir, ("loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy"))
+    return final
+
+
+def with_resolved_steps(config, num_rows: int):
+    """`train.epochs` as steps (epochs × full batches per epoch), written into the config the run directory
+    keeps (`epochs` then null), so the run reads one length everywhere."""
+    train = config.train
+    if train.epochs is None:
+        return config
+    steps = train.epochs * (num_rows // train.batch_size)
+    return config.model_copy(update={"train": train.model_copy(update={"steps": steps, "epochs": None})})
+
+
+def training_batch(items: list[Item], config, groups: WorkerGroups, colocation: ColocationManager,
+                   pad_token_id: int) -> Batch:
+    """The batch the trainer's objective reads: SFT's samples as they are; DPO's pairs as alternating chosen,
+    rejected rows with `ref_logprobs`; distillation's samples with the teacher's top-k log-probs."""
+    if config.pipeline == "dpo":
+        batch = collate([sample for pair in items for sample in pair], pad_token_id)
+        batch.extras["ref_logprobs"] = reference_logprobs(batch, config, groups, colocation)
+        return batch
+    if config.pipeline == "distill":
+        samples = [prompt_distillation_sample(s) for s in items] if config.distill.on_prompts else items
+        batch = collate(samples, pad_token_id)
+        if config.distill.on_prompts:
+            batch.extras["ce_mask"] = response_column_mask(samples, batch)
+        colocation.enter("reference")
+        settings = config.distill
+        packed = forward_rows(groups["reference"], config.roles.reference.backend, "compute_top_k", batch,
+                              settings.top_k, settings.temperature)  # [B, T, 2k]
+        batch.extras["teacher_logprobs"], batch.extras["teacher_ids"] = teacher_top_k(packed)
+        return batch
+    return collate(items, pad_token_id)
+
+
+def reference_logprobs(batch: Batch, config, groups: WorkerGroups, colocation: ColocationManager) -> torch.Tensor:
+    """[B, T] log-probs under the reference: its worker, or with LoRA the base model with adapters off."""
+    if "reference" not in groups:
+        colocation.enter("train")
+        return groups["actor_train"].call("compute_reference_logprobs", batch)
+    colocation.enter("reference")
+    return forward_rows(groups["reference"], config.roles.reference.backend, "compute_logprobs", batch)
+
+
+def teacher_top_k(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ReferenceWorker.compute_top_k`'s [B, T, 2k] as (logprobs [B, T, k], ids [B, T, k] long)."""
+    k = packed.shape[-1] // 2
+    return packed[..., :k].contiguous(), packed[..., k:].long()
+
+
+def prompt_distillation_sample(sample: Sample) -> Sample:
+    """The sample with its prompt moved into the response (all but the first token, which nothing predicts),
+    so the KD term covers the prompt too; `metadata["ce_mask"]` keeps the tokens CE trains on (the old
+    response's trained tokens)."""
+    moved = sample.prompt_ids[1:]
+    return dataclasses.replace(
+        sample, prompt_ids=sample.prompt_ids[:1], response_ids=moved + sample.response_ids,
+        loss_mask=[1] * (len(moved) + len(sample.response_ids)), response_logprobs=[], policy_versions=[],
+        metadata={**sample.metadata, "ce_mask": [0] * len(moved) + list(sample.loss_mask)})
+
+
+def response_column_mask(samples: list[Sample], batch: Batch) -> torch.Tensor:
+    """[B, T] float: each sample's `metadata["ce_mask"]` in the batch's response columns."""
+    mask = torch.zeros_like(batch.response_mask)
+    for row, sample in enumerate(samples):
+        values = sample.metadata["ce_mask"]
+        mask[row, : len(values)] = torch.tensor(values, dtype=mask.dtype)
+    return mask
+
+
+def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationManager, scheduler,
+                        inputs, pad_token_id: int, step: int) -> dict[str, float]:
+    """`eval/` metrics on the eval rows: the loss (SFT, distillation: the NLL of the responses; DPO: the
+    preference metrics against the reference), and with `eval.greedy_accuracy` the greedy decode scored by
+    `reward` (the engines get the trainer's weights first)."""
+    if not inputs.eval:
+        return {}
+    metrics: dict[str, float] = {}
+    actor = groups["actor_train"]
+    if config.pipeline == "dpo":
+        chosen, rejected = [], []
+        for start in range(0, len(inputs.eval), EVAL_BATCH_ROWS // 2):
+            batch = collate([s for pair in inputs.eval[start: start + EVAL_BATCH_ROWS // 2] for s in pair],
+                            pad_token_id)
+            reference = reference_logprobs(batch, config, groups, colocation)
+            colocation.enter("train")
+            policy = actor.call("compute_logprobs", batch)
+            pair = pair_logratios(sequence_logprob_sums(policy, batch.response_mask),
+                                  sequence_logprob_sums(reference, batch.response_mask))
+            chosen.append(pair[0])
+            rejected.append(pair[1])
+        found = preference_metrics(torch.cat(chosen), torch.cat(rejected), config.dpo.beta)
+        metrics.update({f"eval/{key}": value for key, value in found.items()})
+    else:
+        colocation.enter("train")
+        total, tokens = 0.0, 0.0
+        for start in range(0, len(inputs.eval), EVAL_BATCH_ROWS):
+            batch = collate(inputs.eval[start: start + EVAL_BATCH_ROWS], pad_token_id)
+            logprobs = actor.call("compute_logprobs", batch)  # [b, T]
+            total -= float((logprobs * batch.response_mask).sum())
+            tokens += float(batch.response_mask.sum())
+        metrics["eval/loss"] = total / max(tokens, 1.0)
+    if scheduler is not None:
+        bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
+        metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
+        greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
+        metrics.update(evaluate(scheduler, colocation, inputs.eval_prompts, greedy, step))
+    return metrics
+
+
+def reached_target(config, metrics: dict[str, float]) -> bool:
+    target = config.train.stop_at_accuracy
+    return target is not None and metrics.get("eval/accuracy", -math.inf) >= target
+
+
+def describe_eval(what: str, metrics: dict[str, float]) -> str:
+    shown = [f"{key.removeprefix('eval/')} {metrics[key]:.4g}" for key in
+             ("eval/loss", "eval/dpo/reward_accuracy", "eval/accuracy") if key in metrics]
+    return f"{what}: {', '.join(shown)}" if shown else f"{what}: no eval data"
