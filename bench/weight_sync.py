@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900  # one pipeline run; the 100M model takes ~1-2 minutes on 2 cores
 # hidden 768 / 12 layers / 3072 MLP with 12 query and 4 key-value heads: ~104M parameters; the char
 # vocabulary makes the embedding negligible, so nearly all of it is transformer blocks, like a real model
-QWEN2_100M = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
-                  num_key_value_heads=4, max_position_embeddings=64)
+QWEN2_100M = dict(hidden_size=768, num_layers=12, intermediate_size=3072, num_heads=12,
+                  num_kv_heads=4, max_positions=64)
 # small steps: the bench measures weight sync, not rollout or training
 OVERRIDES = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=2",
              "train.train_micro_batch_size=16", "eval.every_steps=0", "data.eval=null",
@@ -54,11 +54,11 @@ def build_qwen2_100m(repo: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
+    from rollflow.fresh_model import fresh_qwen2_config
 
     tokenizer = AutoTokenizer.from_pretrained(repo / "rollflow" / "assets" / "tiny-qwen2-add")
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer, **QWEN2_100M))
+    model = Qwen2ForCausalLM(fresh_qwen2_config(tokenizer, **QWEN2_100M))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 

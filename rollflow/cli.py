@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 EXIT_USER_ERROR = 2
 
@@ -81,17 +82,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
-    from rollflow.pipelines.build_tiny_model import main as build_main
+    from rollflow.pipelines.build_tiny_model import build
 
-    return build_main(args.rest)
+    return build(args)
 
 
 def _new_model(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from rollflow.fresh_model import save_fresh_model
 
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar around the two lines we print
     given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
              "max_positions": args.max_positions}
@@ -139,9 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
     evaluate.set_defaults(handler=_eval)
 
-    build = commands.add_parser("build-tiny-model", help="rebuild the bundled tiny model (SFT from scratch)",
-                                add_help=False)
-    build.add_argument("rest", nargs=argparse.REMAINDER)
+    build = commands.add_parser("build-tiny-model",
+                                help="rebuild the bundled tiny model: new-model, then SFT by examples/sft_tiny.yaml")
+    build.add_argument("--out", required=True, help="directory to write the model into (new or empty)")
+    build.add_argument("--seed", type=int, default=0, help="weight initialization and batch order (default 0)")
+    build.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parents[1] / "examples" / "sft_tiny.yaml",
+                       help="the SFT config (default: the repository's examples/sft_tiny.yaml)")
+    build.add_argument("overrides", nargs="*", help="overrides of the recipe, e.g. train.stop_at_accuracy=0.5")
     build.set_defaults(handler=_build_tiny_model)
 
     new = commands.add_parser(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.errors import ConfigError
@@ -28,6 +29,7 @@ def fresh_qwen2_config(
     num_kv_heads: int = 2,
     intermediate_size: int = 512,
     max_positions: int = 256,
+    **extra,
 ) -> Qwen2Config:
     """The config of a small Qwen2 whose vocabulary is exactly `tokenizer`'s.
 
@@ -40,6 +42,7 @@ def fresh_qwen2_config(
         num_kv_heads: key-value heads; must divide `num_heads` (grouped-query attention).
         intermediate_size: width of each MLP.
         max_positions: the context length, prompt and response together.
+        **extra: other `Qwen2Config` fields (e.g. `initializer_range`, `num_labels` for a reward model).
 
     Returns:
         A float32 `Qwen2Config` with tied input / output embeddings and no bos token.
@@ -75,6 +78,7 @@ def fresh_qwen2_config(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         dtype="float32",
+        **extra,
     )
 
 
@@ -111,6 +115,7 @@ def save_fresh_model(out_dir: str | Path, seed: int = 0, **sizes: int) -> int:
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
     )
     out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a command's output
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return sum(parameter.numel() for parameter in model.parameters())

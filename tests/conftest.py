@@ -18,13 +18,13 @@ def save_random_model(path, seed: int = 0, hidden: int = 64, layers: int = 2,
     `num_labels` a sequence classifier (a reward model)."""
     from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-    from rollflow.data.char_tokenizer import build_char_tokenizer
-    from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
+    from rollflow.data.char_tokenizer import build_ascii_tokenizer
+    from rollflow.fresh_model import fresh_qwen2_config
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_ascii_tokenizer()
     labels = {} if num_labels is None else {"num_labels": num_labels}
-    config = tiny_qwen2_config(tokenizer, hidden_size=hidden, num_hidden_layers=layers,
-                               intermediate_size=2 * hidden, **labels)
+    config = fresh_qwen2_config(tokenizer, hidden_size=hidden, num_layers=layers,
+                               intermediate_size=2 * hidden, max_positions=64, **labels)
     torch.manual_seed(seed)
     model_class = Qwen2ForCausalLM if num_labels is None else Qwen2ForSequenceClassification
     model_class(config).save_pretrained(path)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollflow.config import load_config
-from rollflow.data.char_tokenizer import build_char_tokenizer
+from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.data.prompts import PromptEncoder
 from rollflow.errors import ConfigError, DataError
 from rollflow.pipelines.preflight import (
@@ -23,7 +23,7 @@ SOURCE = "data.train (rows.jsonl)"
 
 @pytest.fixture(scope="module")
 def encoder():
-    return PromptEncoder(build_char_tokenizer(), max_prompt_tokens=40)
+    return PromptEncoder(build_ascii_tokenizer(), max_prompt_tokens=40)
 
 
 def _encode_error(encoder, rows, **limits) -> str:
@@ -57,12 +57,12 @@ def test_a_bad_prompt_names_its_row(encoder, prompt, message):
 def test_chat_messages_are_a_prompt_when_a_template_renders_them(encoder):
     messages = [{"role": "user", "content": "1+1"}]
     assert encode_prompts(encoder, [{"prompt": messages}], SOURCE)[0].text == "<|user|>1+1<|assistant|>"
-    raw = PromptEncoder(build_char_tokenizer(), apply_chat_template=False)
+    raw = PromptEncoder(build_ascii_tokenizer(), apply_chat_template=False)
     assert "no chat template renders it" in _encode_error(raw, [{"prompt": messages}])
 
 
 def test_a_template_that_refuses_a_message_is_a_data_error(encoder):
-    message = _encode_error(encoder, [{"prompt": [{"role": "system", "content": "be brief"}]}])
+    message = _encode_error(encoder, [{"prompt": [{"role": "tool", "content": "be brief"}]}])
     assert message.startswith(f"{SOURCE} row 1: the chat template cannot render the prompt")
 
 
@@ -71,17 +71,34 @@ def test_a_template_that_refuses_a_message_is_a_data_error(encoder):
     ("2+2 🙂", "'🙂'"),
     ("1+1=ﬁ?", "'ﬁ'"),
 ])
-def test_characters_the_tokenizer_drops_are_named(encoder, prompt, lost):
-    message = _encode_error(encoder, [{"prompt": prompt}])
+def test_characters_the_tokenizer_drops_are_named(prompt, lost):
+    message = _encode_error(PromptEncoder(_dropping_tokenizer(), max_prompt_tokens=40), [{"prompt": prompt}])
     assert message.startswith(f"{SOURCE} row 1: the tokenizer cannot represent {lost} ")
 
 
-def test_spaces_the_bundled_tokenizer_drops_are_not_an_error(encoder):
-    assert encode_prompts(encoder, [{"prompt": "What is 1 + 1 ?"}], SOURCE)
+def _dropping_tokenizer():
+    """The ASCII tokenizer without its byte fallback tokens: a byte-level BPE with no unknown token (what
+    `Qwen2Tokenizer` builds) then drops every non-ASCII character without a trace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollflow.data.char_tokenizer import ASCII_CHAT_TEMPLATE, ASCII_SPECIAL_TOKENS, ascii_vocabulary
+
+    vocabulary = {token: index for token, index in ascii_vocabulary().items() if index < 103}
+    backend = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(ASCII_SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   chat_template=ASCII_CHAT_TEMPLATE)
+
+
+def test_non_ascii_characters_round_trip_through_the_ascii_tokenizers_bytes(encoder):
+    assert encode_prompts(encoder, [{"prompt": "What is 1 + 1 ? é 🙂"}], SOURCE)
 
 
 def test_the_unknown_token_is_an_error():
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_ascii_tokenizer()
     encoder = PromptEncoder(tokenizer)
     message = _encode_error(encoder, [{"prompt": "1+<unk>"}])
     assert "encodes to the tokenizer's unknown token '<unk>'" in message

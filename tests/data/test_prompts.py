@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from rollflow.data.arithmetic import arithmetic_splits
-from rollflow.data.char_tokenizer import build_char_tokenizer
+from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.data.prompts import DomainSampler, PromptEncoder, PromptSampler, load_rows
 from rollflow.errors import DataError
 
@@ -45,7 +45,7 @@ def test_missing_file_and_unknown_task():
 
 
 def test_encoder_applies_chat_template_and_checks_length():
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_ascii_tokenizer()
     encoded = PromptEncoder(tokenizer).encode({"prompt": "12+3"})
     assert encoded.text == "<|user|>12+3<|assistant|>"
     assert tokenizer.decode(encoded.token_ids) == encoded.text
@@ -92,7 +92,7 @@ def test_sampler_order_depends_on_seed_and_epoch_only():
     assert first.next_batch() != second.next_batch()
     assert PromptSampler(rows, 20, seed=2**64 - 1).next_batch() != rows  # a 64-bit seed shuffles too
     # encoded prompts sample like rows: the sampler only orders what it is given
-    encoded = [PromptEncoder(build_char_tokenizer()).encode({"prompt": f"{i}+1"}) for i in range(5)]
+    encoded = [PromptEncoder(build_ascii_tokenizer()).encode({"prompt": f"{i}+1"}) for i in range(5)]
     sampled = PromptSampler(encoded, 5, seed=3).next_batch()
     assert sorted(p.text for p in sampled) == sorted(p.text for p in encoded)
 

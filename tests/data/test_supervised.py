@@ -1,13 +1,13 @@
 import pytest
 
-from rollflow.data.char_tokenizer import build_char_tokenizer
+from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.data.sample import Sample, collate
 from rollflow.data.supervised import chat_prompt_ids, encode_sft_rows, encode_sft_sample, shuffled_batches
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_char_tokenizer()
+    return build_ascii_tokenizer()
 
 
 def test_loss_mask_covers_only_the_answer_and_eos(tokenizer):

@@ -50,15 +50,15 @@ def contract_model_dir(tmp_path_factory) -> str:
     """A random Qwen2 (head dim 32, 256 positions, decisive logits) with the char tokenizer."""
     from transformers import Qwen2ForCausalLM
 
-    from rollflow.data.char_tokenizer import build_char_tokenizer
-    from rollflow.pipelines.build_tiny_model import tiny_qwen2_config
+    from rollflow.data.char_tokenizer import build_ascii_tokenizer
+    from rollflow.fresh_model import fresh_qwen2_config
 
     path = tmp_path_factory.mktemp("contract_model")
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_ascii_tokenizer()
     # initializer_range 0.2 (not 0.02) spreads the logits, so greedy argmaxes are never near-ties that
     # bf16 GPU kernels could flip.
-    config = tiny_qwen2_config(tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+    config = fresh_qwen2_config(tokenizer, hidden_size=64, intermediate_size=128, num_layers=2,
+                               num_heads=2, num_kv_heads=1, max_positions=256,
                                initializer_range=0.2)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
