@@ -263,7 +263,12 @@ class FSDP2Backend(TrainingBackendBase):
             if self.settings.value_head:
                 save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path / WEIGHTS_FILE))
             else:
-                # HF drops the tied duplicate and strips FSDP's class-name prefix from `architectures`
+                # The gathered tensors share no storage, so HF cannot see that the output embedding is the
+                # input one: keep the names the model's parameters have (a tied weight once), as TorchBackend
+                # writes. HF strips FSDP's class-name prefix from `architectures`.
+                parameters = {name for name, _ in self.model.named_parameters()}
+                buffers = {name for name, _ in self.model.named_buffers()}
+                state = {name: tensor for name, tensor in state.items() if name in parameters | buffers}
                 self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(path)
         if self.optimizer is not None:

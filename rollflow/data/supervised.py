@@ -140,9 +140,9 @@ class ConversationEncoder:
             messages = _messages(row[self.messages_key], self.messages_key)
         else:
             prompt = row.get(self.prompt_key)
+            column = self.response_key if response is None else "response"  # a DPO chosen / rejected is given
             response = row.get(self.response_key) if response is None else response
             if not isinstance(response, str):
-                column = self.response_key if response is None else "response"
                 raise DataError(f"no {self.messages_key!r} column and the response (column {column!r}) is "
                                 f"{'missing' if response is None else type(response).__name__}, not a string")
             if isinstance(prompt, list):

@@ -30,9 +30,9 @@ BUILD_INFO_FILE = "rollflow_build.json"
 CHECKPOINT_ONLY = ("trainer_state.pt", "rollflow_checkpoint.json")  # what a checkpoint adds to a model
 
 
-def build(args: argparse.Namespace) -> int:
+def build(args: argparse.Namespace, manage_ray: bool = True) -> int:
     """Build, train and export the tiny model (`args`: the CLI's `out`, `seed`, `recipe`, `overrides`). Returns a
-    process exit code."""
+    process exit code. `manage_ray=False` runs in the caller's Ray session."""
     args.out = Path(args.out)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise ConfigError(f"{args.out} exists and is not an empty directory; choose a new --out")
@@ -45,7 +45,7 @@ def build(args: argparse.Namespace) -> int:
         overrides = [f"model.path={initial}", f"seed={args.seed}", f"output.dir={scratch}", "name=sft",
                      *args.overrides]
         config = load_config(args.recipe, overrides)
-        final = run_supervised(config)
+        final = run_supervised(config, manage_ray)
         checkpoint = latest_checkpoint(config.run_dir / "checkpoints")
         args.out.mkdir(parents=True, exist_ok=True)
         for path in (checkpoint / "model").iterdir():

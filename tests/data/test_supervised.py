@@ -1,8 +1,17 @@
+import re
+
 import pytest
 
 from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.data.sample import Sample, collate
-from rollflow.data.supervised import chat_prompt_ids, encode_sft_rows, encode_sft_sample, shuffled_batches
+from rollflow.data.supervised import (
+    ConversationEncoder,
+    chat_prompt_ids,
+    encode_sft_rows,
+    encode_sft_sample,
+    shuffled_batches,
+)
+from rollflow.errors import DataError
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +92,99 @@ def test_shuffled_batches_reshuffle_one_order_with_one_generator_each_epoch():
         expected += [order[0:2], order[2:4], order[4:6]]
     batches = shuffled_batches(list(range(7)), batch_size=2, seed=3)
     assert [next(batches) for _ in range(9)] == expected
+
+
+# ---- ConversationEncoder: rows of whole conversations ---------------------------------------------------
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2"},
+        {"role": "assistant", "content": "3"}, {"role": "user", "content": "and 2+2"},
+        {"role": "assistant", "content": "4!"}]
+
+
+def _ids(sample):
+    return sample.prompt_ids + sample.response_ids
+
+
+def _tokens_and_mask(tokenizer, sample):
+    """The whole conversation's tokens, and the 0/1 mask over all of them (the prompt part is never trained)."""
+    tokens = tokenizer.convert_ids_to_tokens(sample.prompt_ids + sample.response_ids)
+    return tokens, [0] * len(sample.prompt_ids) + sample.loss_mask
+
+
+def test_conversation_mask_is_one_exactly_on_assistant_content_and_eos(tokenizer):
+    sample = ConversationEncoder(tokenizer).encode({"messages": CHAT})
+    tokens, mask = _tokens_and_mask(tokenizer, sample)
+    # The template renders <|system|>Be brief.<|user|>1+2<|assistant|>3<eos><|user|>and 2+2<|assistant|>4!<eos>;
+    # the byte-level tokenizer spells the space as "Ġ".
+    system = ["<|system|>", "B", "e", "Ġ", "b", "r", "i", "e", "f", "."]
+    first_user = ["<|user|>", "1", "+", "2"]
+    second_user = ["<|user|>", "a", "n", "d", "Ġ", "2", "+", "2"]
+    expected = [*system, *first_user, "<|assistant|>", "3", "<eos>", *second_user, "<|assistant|>", "4", "!", "<eos>"]
+    assert tokens == expected
+    trained = {15, 16, 26, 27, 28}  # positions of "3", "<eos>" (first answer) and "4", "!", "<eos>" (second)
+    assert [tokens[i] for i in sorted(trained)] == ["3", "<eos>", "4", "!", "<eos>"]
+    assert mask == [int(i in trained) for i in range(len(tokens))]
+    # the headers stay untrained; the prompt part ends with the first assistant header (what an engine is handed)
+    assert tokens[14] == tokens[25] == "<|assistant|>" and mask[14] == mask[25] == 0
+    assert tokenizer.convert_ids_to_tokens(sample.prompt_ids)[-1] == "<|assistant|>"
+    assert sample.prompt_text == "<|system|>Be brief.<|user|>1+2<|assistant|>"
+    assert sample.row == {"messages": CHAT}
+
+
+def test_a_prompt_response_row_is_the_two_turn_chat(tokenizer):
+    encoder = ConversationEncoder(tokenizer)
+    pair = encoder.encode({"prompt": "23+58", "response": "81"})
+    chat = encoder.encode({"messages": [{"role": "user", "content": "23+58"},
+                                        {"role": "assistant", "content": "81"}]})
+    assert (pair.prompt_ids, pair.response_ids, pair.loss_mask) == (chat.prompt_ids, chat.response_ids, chat.loss_mask)
+    assert pair.prompt_ids == chat_prompt_ids(tokenizer, "23+58")  # and the SFT encoding of the same row
+    assert pair.response_ids == encode_sft_sample(tokenizer, "23+58", "81").response_ids
+    # DPO's chosen / rejected: the row's prompt with a response given instead of its own
+    rejected = encoder.encode({"prompt": "23+58", "response": "81"}, response="84")
+    assert tokenizer.decode(rejected.response_ids) == "84<eos>" and rejected.prompt_ids == pair.prompt_ids
+
+
+def test_a_chat_prompt_with_a_separate_response(tokenizer):
+    encoder = ConversationEncoder(tokenizer)
+    sample = encoder.encode({"prompt": CHAT[:4], "response": "4!"})
+    assert _ids(sample) == _ids(encoder.encode({"messages": CHAT}))
+
+
+def test_without_a_chat_template_a_row_is_prompt_then_response_then_eos(tokenizer):
+    sample = ConversationEncoder(tokenizer, apply_chat_template=False).encode({"prompt": "1+2", "response": "3"})
+    assert tokenizer.convert_ids_to_tokens(_ids(sample)) == ["1", "+", "2", "3", "<eos>"]
+    assert sample.loss_mask == [1, 1]
+    with pytest.raises(DataError, match="chat rows need a chat template"):
+        ConversationEncoder(tokenizer, apply_chat_template=False).encode({"messages": CHAT})
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "1+2"}, "the response (column 'response') is missing"),
+    ({"prompt": "1+2", "response": 3}, "is int, not a string"),
+    ({"prompt": 12, "response": "3"}, "must be a string or chat turns"),
+    ({"messages": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "1+2"}]},
+     "starts with an assistant turn"),
+    ({"messages": [{"role": "user", "content": "1+2"}, {"role": "tool", "content": "3"},
+                   {"role": "assistant", "content": "3"}]}, "role: system | user | assistant"),
+    ({"messages": [{"role": "user", "content": "1+2"}]}, "no assistant tokens to train on"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user", "content": "1+2"}, {"role": "system", "content": "late"},
+                   {"role": "assistant", "content": "3"}]}, "the chat template cannot render the row"),
+])
+def test_bad_rows_are_one_line_data_errors(tokenizer, row, message):
+    with pytest.raises(DataError, match=re.escape(message)) as caught:
+        ConversationEncoder(tokenizer).encode(row)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_conversation_over_max_tokens_is_a_data_error_not_truncated(tokenizer):
+    row = {"prompt": "23+58", "response": "81"}  # 7 prompt tokens + "8", "1", "<eos>" = 10 tokens
+    assert len(_ids(ConversationEncoder(tokenizer, max_tokens=10).encode(row))) == 10
+    with pytest.raises(DataError, match="has 11 tokens, over data.max_tokens=10") as caught:
+        ConversationEncoder(tokenizer, max_tokens=10).encode({"prompt": "23+58", "response": "181"})
+    assert "\n" not in str(caught.value)
+
+
+def test_a_non_string_response_names_the_configured_column(tokenizer):
+    with pytest.raises(DataError, match="column 'answer'"):
+        ConversationEncoder(tokenizer, response_key="answer").encode({"prompt": "1+2", "answer": 3})
