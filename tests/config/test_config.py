@@ -1,4 +1,5 @@
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,9 @@ def test_reward_domains_give_a_domain_its_own_functions():
     assert [f.name for f in config.reward.functions_of("sum3")] == ["exact_match", "length_penalty"]
     assert [f.name for f in config.reward.functions_of("add2")] == ["math_answer"]
     assert [f.name for f in config.reward.functions_of(None)] == ["math_answer"]
+
+
+def test_every_example_config_loads_against_its_pipeline():
+    examples = sorted((Path(__file__).parents[2] / "examples").rglob("*.yaml"))
+    pipelines = {load_config(path).pipeline for path in examples}  # validates each: keys, names, batch sizes
+    assert {"rlvr", "sft", "dpo", "distill"} <= pipelines

@@ -11,8 +11,6 @@ import json
 import math
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -208,8 +206,13 @@ BAD_INPUTS = {  # case -> the one error line's expected text
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory, student) -> dict[str, tuple[int, str]]:
-    """Each `BAD_INPUTS` case through `python -m rollflow.cli`, all at once (each is ~3 s of imports):
-    case -> (exit status, stderr)."""
+    """Each `BAD_INPUTS` case through the CLI's `main` (what `rollflow` runs), in this process: the checks fail
+    before any worker starts. case -> (exit status, stderr)."""
+    import contextlib
+    import io
+
+    from rollflow.cli import main
+
     root = tmp_path_factory.mktemp("bad_inputs")
     _write_jsonl(root / "no_rejected.jsonl", [{"prompt": "1+2", "chosen": "3", "answer": "3"}])
     (root / "empty.jsonl").write_text("")
@@ -233,12 +236,12 @@ def bad_input_runs(tmp_path_factory, student) -> dict[str, tuple[int, str]]:
                                             f"data.train.path={root / 'sft.jsonl'}", "data.response_key=answer", out],
         "dpo_command_on_an_rlvr_config": ["dpo", str(root / "rlvr.yaml")],
     }
-    running = {case: subprocess.Popen([sys.executable, "-m", "rollflow.cli", *argv], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for case, argv in commands.items()}
     results = {}
-    for case, process in running.items():
-        _, stderr = process.communicate(timeout=120)
-        results[case] = (process.returncode, stderr)
+    for case, argv in commands.items():
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            returncode = main(argv)
+        results[case] = (returncode, stderr.getvalue())
     assert not (root / "runs").exists()  # every case failed before a run directory was made
     return results
 
