@@ -320,8 +320,13 @@ class RolloutStream:
             self._pump(self.scheduler.watchdog_s)
 
     def _drop_stale(self, policy_version: int) -> None:
+        """Asynchronous mode: drop the ready groups whose oldest token is more than `max_staleness` versions
+        behind `policy_version` (synchronous steps have no staleness bound to keep)."""
         bound = self.settings.max_staleness
-        for group in [g for g in self._ready if policy_version - (g.oldest_version() or policy_version) > bound]:
+        if not bound:
+            return
+        oldest = {id(g): g.oldest_version() for g in self._ready}  # None: no tokens (0 is a version)
+        for group in [g for g in self._ready if oldest[id(g)] is not None and policy_version - oldest[id(g)] > bound]:
             self._ready.remove(group)
             self._wasted_tokens += group.tokens()
             self._end(group, GroupState.STALE)

@@ -185,9 +185,12 @@ def test_resume_regenerates_what_was_in_flight_and_skips_nothing(ray_session):
         return 1.0, {}
 
     stream = _stream([worker], settings, _prompts(100), reward=constant)
-    trained = []
+    trained, stale = [], 0.0
     for step in (1, 2, 3):
-        trained += _keys(stream.next_batch(step=step, policy_version=step - 1))
+        result = stream.next_batch(step=step, policy_version=step - 1)
+        trained += _keys(result)
+        ray.get(worker.set_version.remote(step))  # the weight sync after the step
+    stale += result.metrics["rollout/groups/stale"]  # counted since the stream started
     state = stream.state()  # taken with the next steps' groups in flight
     stream.close()
     assert state["pending"], "the producer runs ahead: something must be in flight"
@@ -195,14 +198,19 @@ def test_resume_regenerates_what_was_in_flight_and_skips_nothing(ray_session):
     resumed.load_state(state)
     try:
         for step in (4, 5, 6):
-            trained += _keys(resumed.next_batch(step=step, policy_version=step - 1))
+            result = resumed.next_batch(step=step, policy_version=step - 1)
+            trained += _keys(result)
+            ray.get(worker.set_version.remote(step))
+        stale += result.metrics["rollout/groups/stale"]
         final = resumed.state()
     finally:
         resumed.close()
-    assert {entry["index"] for entry in state["pending"]} <= set(trained) | {e["index"] for e in final["pending"]}
-    # every prompt drawn was trained once or is still pending: none skipped, none twice
+    # every prompt drawn was trained once, is still pending, or went stale (dropped, counted): none skipped,
+    # none twice
     held = [entry["index"] for entry in final["pending"]]
-    assert sorted(trained + held) == list(range(final["next_index"]))
+    assert len(set(trained + held)) == len(trained + held)
+    assert set(trained + held) <= set(range(final["next_index"]))
+    assert len(trained) + len(held) + stale == final["next_index"]
     ray.kill(worker)
 
 
@@ -232,3 +240,19 @@ def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_ses
     assert any(len(set(s.policy_versions)) > 1 for s in samples)  # a switch mid-response
     assert (resubmitted > 0) == (partial_rollout == "resubmit")
     ray.kill(worker)
+
+
+def test_a_group_sampled_by_version_0_goes_stale_like_any_other():
+    """Version 0 is a version: a group whose oldest token is 0 is 2 versions old at version 2 (it once
+    counted as fresh, `0 or version`, and slipped past a bound of 1 when the timing let it wait)."""
+    from rollflow.data.sample import Sample
+    from rollflow.rollout.stream import GroupState, PromptGroup
+
+    stream = _stream([], StreamSettings(prompts_per_step=2, max_staleness=1, max_refill_prompts=0), _prompts(4))
+    old = PromptGroup(_prompts(1)[0], index=0, group_id=0, state=GroupState.READY,
+                      samples=[Sample([0], [1, 2], policy_versions=[0, 1])])
+    fresh = PromptGroup(_prompts(2)[1], index=1, group_id=1, state=GroupState.READY,
+                        samples=[Sample([1], [3], policy_versions=[1])])
+    stream._ready = [old, fresh]
+    stream._drop_stale(policy_version=2)
+    assert stream._ready == [fresh] and old.state == GroupState.STALE
