@@ -121,11 +121,16 @@ def _config(*overrides):
     return load_config(None, ["rollout.prompts_per_step=8", *overrides])
 
 
-def _dead(group: WorkerGroup) -> bool:
-    try:
-        ray.get(group.handles[0].__ray_ready__.remote(), timeout=30)
-    except ray.exceptions.RayActorError:
-        return True
+def _dead(group: WorkerGroup, timeout_s: float = 30.0) -> bool:
+    """Whether the group's actor is gone within `timeout_s` (`ray.kill` returns before the actor is dead: a
+    call made right after it may still be answered)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(group.handles[0].__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.1)
     return False
 
 
