@@ -1,12 +1,12 @@
-"""Supervised fine-tuning data: chat rows as `Sample`s, and an endless shuffled batch iterator.
+"""Rows of full conversations as training `Sample`s, and an endless shuffled batch iterator.
 
-A chat row (`{"prompt": ..., "answer": ...}`) becomes one `Sample` whose `prompt_ids` are the chat template
-with the generation prompt and whose `response_ids` are the rest of the full conversation: the assistant's
-answer and the end-of-turn tokens the template appends (for the char tokenizer, the answer digits and
-`<eos>`). Every response token is trained on and no prompt token is, so the model learns to answer and
-to stop, not to predict prompts. The samples then take the one training path every pipeline takes:
+`ConversationEncoder` turns a chat row (`messages`) or a prompt / response row into one `Sample` whose
+`prompt_ids` are what an engine would be handed and whose `response_ids` are every later token, with
+`loss_mask` 1 exactly on the assistant's tokens (its content and the end-of-turn tokens the template
+appends), so a model learns to answer and to stop, never to predict prompts or user turns. The samples then
+take the one training path every pipeline takes:
 
-    samples = encode_sft_rows(tokenizer, rows)
+    samples = [ConversationEncoder(tokenizer).encode(row) for row in rows]
     batches = shuffled_batches(samples, batch_size=128, seed=0)
     metrics = backend.train_step(collate(next(batches), tokenizer.pad_token_id), OBJECTIVES["nll"]())
 """
@@ -50,57 +50,6 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
         Token ids, no special tokens added beyond the template's own.
     """
     return tokenizer.encode(chat_prompt_text(tokenizer, prompt), add_special_tokens=False)
-
-
-def encode_sft_sample(tokenizer, prompt: str, response: str, row: dict[str, Any] | None = None) -> Sample:
-    """Tokenize one user prompt and assistant response with the tokenizer's chat template.
-
-    The prompt part is the template with the generation prompt; the rest of the full conversation is the
-    assistant turn, the sample's response, and all of it is trained on (`loss_mask` all ones).
-
-    Args:
-        tokenizer: a transformers tokenizer with a chat template.
-        prompt: the user message content.
-        response: the assistant message content (the reference answer).
-        row: the dataset row, kept on the sample (`Sample.row`).
-
-    Returns:
-        The sample. Raises `ValueError` if the template does not render the prompt as a token prefix of
-        the full conversation (then the loss mask would be ill-defined).
-    """
-    prompt_text = chat_prompt_text(tokenizer, prompt)
-    full_text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False
-    )
-    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-    full_ids = tokenizer.encode(full_text, add_special_tokens=False)
-    if full_ids[: len(prompt_ids)] != prompt_ids or len(full_ids) == len(prompt_ids):
-        raise ValueError(
-            f"the chat template does not extend the prompt tokens with the answer: {prompt_text!r} vs {full_text!r}"
-        )
-    response_ids = full_ids[len(prompt_ids) :]
-    return Sample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * len(response_ids),
-                  prompt_text=prompt_text, row=dict(row or {}))
-
-
-def encode_sft_rows(
-    tokenizer,
-    rows: Sequence[dict[str, Any]],
-    prompt_key: str = "prompt",
-    response_key: str = "answer",
-) -> list[Sample]:
-    """Tokenize dataset rows (`{"prompt": ..., "answer": ...}`) into SFT samples, in order.
-
-    Args:
-        tokenizer: a transformers tokenizer with a chat template.
-        rows: dataset rows.
-        prompt_key: the column holding the user message.
-        response_key: the column holding the reference answer.
-
-    Returns:
-        One sample per row (see `encode_sft_sample`), each keeping its row.
-    """
-    return [encode_sft_sample(tokenizer, row[prompt_key], row[response_key], row) for row in rows]
 
 
 class ConversationEncoder:

@@ -7,8 +7,6 @@ from rollflow.data.sample import Sample, collate
 from rollflow.data.supervised import (
     ConversationEncoder,
     chat_prompt_ids,
-    encode_sft_rows,
-    encode_sft_sample,
     shuffled_batches,
 )
 from rollflow.errors import DataError
@@ -19,8 +17,12 @@ def tokenizer():
     return build_ascii_tokenizer()
 
 
+def _answers(tokenizer, rows):
+    return [ConversationEncoder(tokenizer, response_key="answer").encode(row) for row in rows]
+
+
 def test_loss_mask_covers_only_the_answer_and_eos(tokenizer):
-    sample = encode_sft_sample(tokenizer, "23+58", "81")
+    sample = _answers(tokenizer, [{"prompt": "23+58", "answer": "81"}])[0]
     tokens = tokenizer.convert_ids_to_tokens(sample.prompt_ids + sample.response_ids)
     assert tokens == ["<|user|>", "2", "3", "+", "5", "8", "<|assistant|>", "8", "1", "<eos>"]
     # the prompt is not trained on (collate masks only response tokens); the answer and <eos> are
@@ -30,13 +32,15 @@ def test_loss_mask_covers_only_the_answer_and_eos(tokenizer):
 
 def test_rows_keep_their_row_and_order(tokenizer):
     rows = [{"prompt": "1+2", "answer": "3", "id": 7}, {"prompt": "10+20", "answer": "30"}]
-    samples = encode_sft_rows(tokenizer, rows)
+    samples = _answers(tokenizer, rows)
     assert [sample.row for sample in samples] == rows
     assert tokenizer.decode(samples[1].response_ids) == "30<eos>"
 
 
 class _TemplateWithoutPrefix:
     """A tokenizer whose full conversation does not start with the prompt's tokens."""
+
+    chat_template = "not jinja: apply_chat_template below stands in for it"
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
         return "P" if add_generation_prompt else "Q" + messages[-1]["content"]
@@ -46,8 +50,8 @@ class _TemplateWithoutPrefix:
 
 
 def test_a_template_that_does_not_extend_the_prompt_is_rejected():
-    with pytest.raises(ValueError, match="the chat template does not extend the prompt tokens with the answer"):
-        encode_sft_sample(_TemplateWithoutPrefix(), "1+2", "3")
+    with pytest.raises(DataError, match="does not render a conversation as a token prefix of its continuation"):
+        ConversationEncoder(_TemplateWithoutPrefix()).encode({"prompt": "1+2", "response": "3"})
 
 
 def test_collate_pads_sft_samples_into_the_shared_batch_layout():
@@ -63,7 +67,7 @@ def test_collate_pads_sft_samples_into_the_shared_batch_layout():
 
 def test_add2_chat_samples_collate_without_left_padding(tokenizer):
     # Every add2 prompt renders to 7 tokens, so only the answers (2 or 3 digits, then <eos>) are padded.
-    samples = encode_sft_rows(tokenizer, [{"prompt": "23+58", "answer": "81"}, {"prompt": "99+99", "answer": "198"}])
+    samples = _answers(tokenizer, [{"prompt": "23+58", "answer": "81"}, {"prompt": "99+99", "answer": "198"}])
     batch = collate(samples, tokenizer.pad_token_id)
     assert batch.prompt_length == 7 and batch.response_width == 4
     assert batch.attention_mask.tolist() == [[1] * 10 + [0], [1] * 11]
@@ -138,7 +142,6 @@ def test_a_prompt_response_row_is_the_two_turn_chat(tokenizer):
                                         {"role": "assistant", "content": "81"}]})
     assert (pair.prompt_ids, pair.response_ids, pair.loss_mask) == (chat.prompt_ids, chat.response_ids, chat.loss_mask)
     assert pair.prompt_ids == chat_prompt_ids(tokenizer, "23+58")  # and the SFT encoding of the same row
-    assert pair.response_ids == encode_sft_sample(tokenizer, "23+58", "81").response_ids
     # DPO's chosen / rejected: the row's prompt with a response given instead of its own
     rejected = encoder.encode({"prompt": "23+58", "response": "81"}, response="84")
     assert tokenizer.decode(rejected.response_ids) == "84<eos>" and rejected.prompt_ids == pair.prompt_ids
