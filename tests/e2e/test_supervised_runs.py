@@ -182,14 +182,22 @@ def test_distillation_from_the_teacher_alone_teaches_the_student(tmp_path, sft_r
     assert rows[-1]["distill/kd"] < rows[1]["distill/kd"] / 2
 
 
-def test_prompt_distillation_with_adaptive_kl_finishes_with_finite_metrics(tmp_path, student):
-    final = _run(tmp_path, "prompts", "pipeline=distill", f"model.path={student}", "roles.reference.model_path=tiny",
-                 *ADD2, "train.steps=3", "eval.every_steps=0", "distill.on_prompts=true",
-                 "distill.divergence=adaptive_kl", "distill.top_k=16")
+def test_prompt_distillation_with_adaptive_kl_finishes_and_resumes_exactly(tmp_path, student, ray_session):
+    run = ["pipeline=distill", f"model.path={student}", "roles.reference.model_path=tiny", *ADD2, "train.steps=4",
+           "eval.every_steps=0", "distill.on_prompts=true", "distill.divergence=adaptive_kl", "distill.top_k=16",
+           "output.save_every_steps=2"]
+    final = _run(tmp_path, "prompts", *run)
     rows = _metrics(tmp_path / "prompts")
-    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     assert all(math.isfinite(value) for row in rows for value in row.values()), rows
     assert rows[-1]["distill/kd"] > 0 and rows[-1]["distill/ce"] > 0 and math.isfinite(final["eval/loss"])
+    # as if the run had died after the step-2 checkpoint: resume=true redoes steps 3-4, teacher included
+    straight = _weights(tmp_path / "prompts", 4)
+    shutil.rmtree(tmp_path / "prompts" / "checkpoints" / "step_4")
+    _run(tmp_path, "prompts", *run, "resume=true")
+    resumed = _weights(tmp_path / "prompts", 4)
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+    assert [row["step"] for row in _metrics(tmp_path / "prompts")] == [0, 1, 2, 3, 4]
 
 
 # ---- bad input through the real CLI (no Ray: the checks fail first) ---------------------------------------
