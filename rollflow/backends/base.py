@@ -178,6 +178,12 @@ def micro_batch_rows(lengths: torch.Tensor, micro_batch_size: int, by_length: bo
     return [rows for rows in order.split(micro_batch_size) if len(rows)]
 
 
+def unpack_top_k(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TrainingBackendBase.forward_top_k`'s [B, T, 2k] as (ids [B, T, k] long, logprobs [B, T, k])."""
+    k = packed.shape[-1] // 2
+    return packed[..., k:].long(), packed[..., :k].contiguous()
+
+
 def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         device: torch.device | str) -> None:
     """Move a model's parameters and its optimizer's state tensors (Adam moments) to `device`."""
@@ -353,12 +359,13 @@ class TrainingBackendBase:
         self.require_resident("forward_logprobs")
         return self._forward_response(batch, lambda micro: response_logprobs(self.model, micro, temperature))
 
-    def forward_top_k(self, batch: Batch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_top_k(self, batch: Batch, k: int, temperature: float = 1.0) -> torch.Tensor:
         """The k most likely next tokens at every response position (a distillation teacher's output).
 
         Returns:
-            (ids [B, T, k] long, logprobs [B, T, k]: the full-vocabulary log-softmax of logits / temperature
-            at those ids, most likely first), on CPU; 0 where padded.
+            [B, T, 2k] on CPU, 0 where padded: the full-vocabulary log-softmax of logits / temperature at the
+            k most likely ids (most likely first), then those ids as floats. One tensor, so it goes through
+            the row joins (and a worker's reply) as any other forward does; `unpack_top_k` splits it.
         """
         from rollflow.backends.logprobs import model_logits
 
@@ -372,8 +379,7 @@ class TrainingBackendBase:
             return torch.cat([values, ids.float()], dim=-1)  # [b, t, 2k]: one tensor through the row join
 
         width = min(k, self.model.config.vocab_size)
-        joined = self._forward_response(batch, read, trailing=(2 * width,))  # [B, T, 2k]
-        return joined[..., width:].long(), joined[..., :width]
+        return self._forward_response(batch, read, trailing=(2 * width,))  # [B, T, 2k]
 
     def forward_values(self, batch: Batch) -> torch.Tensor:
         """Values of the batch's response tokens (value head only). Returns [B, T] on CPU (0 where padded)."""

@@ -17,6 +17,7 @@ import time
 import torch
 
 from rollflow.algorithms.preference import preference_metrics, sequence_logprob_sums
+from rollflow.backends.base import unpack_top_k
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.cluster.runtime import pin_threads
@@ -166,7 +167,7 @@ def training_batch(items: list[Item], config, groups: WorkerGroups, colocation: 
         settings = config.distill
         packed = forward_rows(groups["reference"], config.roles.reference.backend, "compute_top_k", batch,
                               settings.top_k, settings.temperature)  # [B, T, 2k]
-        batch.extras["teacher_logprobs"], batch.extras["teacher_ids"] = teacher_top_k(packed)
+        batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = unpack_top_k(packed)
         return batch
     return collate(items, pad_token_id)
 
@@ -178,12 +179,6 @@ def reference_logprobs(batch: Batch, config, groups: WorkerGroups, colocation: C
         return groups["actor_train"].call("compute_reference_logprobs", batch)
     colocation.enter("reference")
     return forward_rows(groups["reference"], config.roles.reference.backend, "compute_logprobs", batch)
-
-
-def teacher_top_k(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ReferenceWorker.compute_top_k`'s [B, T, 2k] as (logprobs [B, T, k], ids [B, T, k] long)."""
-    k = packed.shape[-1] // 2
-    return packed[..., :k].contiguous(), packed[..., k:].long()
 
 
 def prompt_distillation_sample(sample: Sample) -> Sample:

@@ -41,8 +41,6 @@ class ReferenceWorker(PlacedWorker):
 
     def compute_top_k(self, batch: Batch, k: int, temperature: float = 1.0) -> torch.Tensor:
         """A distillation teacher's [B, T, 2k]: its top-k log-probs at each response position, then their token
-        ids (as floats: one tensor through the row split); `rollflow.pipelines.supervised.teacher_top_k` splits
-        them."""
+        ids (`TrainingBackendBase.forward_top_k`; `rollflow.backends.base.unpack_top_k` splits them)."""
         self.require_resident("compute_top_k")
-        ids, logprobs = self.backend.forward_top_k(batch, k, temperature)  # [B, T, k] each
-        return torch.cat([logprobs, ids.float()], dim=-1)
+        return self.backend.forward_top_k(batch, k, temperature)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rollflow.backends import create_backend
-from rollflow.backends.base import TrainerSettings
+from rollflow.backends.base import TrainerSettings, unpack_top_k
 from rollflow.backends.logprobs import model_logits, response_tokens, token_logprobs
 from rollflow.config import load_config
 from rollflow.data.char_tokenizer import build_ascii_tokenizer
@@ -151,7 +151,7 @@ def distill_batch(model_dirs):
     encoder = ConversationEncoder(build_ascii_tokenizer())
     rows = [{"prompt": p, "response": c} for p, c, _ in PAIRS] + [{"prompt": "1+1", "response": "2"}]
     batch = collate([encoder.encode(row) for row in rows], pad_token_id=0)
-    ids, logprobs = _backend(model_dirs[1], trainable=False).forward_top_k(batch, k=8)  # [B, T, 8] each
+    ids, logprobs = unpack_top_k(_backend(model_dirs[1], trainable=False).forward_top_k(batch, k=8))  # [B, T, 8]
     batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = ids, logprobs
     return batch
 
@@ -194,7 +194,7 @@ def test_distill_with_kd_weight_zero_is_the_nll_loss(distill_batch):
 def test_forward_top_k_with_k_equal_to_the_vocabulary_is_the_full_log_softmax(model_dirs, distill_batch):
     teacher = _backend(model_dirs[1], micro_batch_size=2, trainable=False)  # trimmed micro-batches, row join
     vocab = teacher.model.config.vocab_size
-    ids, logprobs = teacher.forward_top_k(distill_batch, k=vocab + 10)  # k is capped at V
+    ids, logprobs = unpack_top_k(teacher.forward_top_k(distill_batch, k=vocab + 10))  # k is capped at V
     assert ids.shape == logprobs.shape == (distill_batch.size, distill_batch.response_width, vocab)
     assert ids.dtype == torch.long
     with torch.no_grad():
