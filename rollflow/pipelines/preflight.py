@@ -193,15 +193,7 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
             raise DataError(f"{where}: {err}") from None
         except Exception as err:  # a chat template raises whatever jinja or the template raises
             raise DataError(f"{where}: the chat template cannot render the prompt ({_first_line(err)})") from None
-        lost = _unrepresented(prompt_ids.text, tokenizer.decode(prompt_ids.token_ids, skip_special_tokens=False))
-        if lost:
-            raise DataError(f"{where}: the tokenizer cannot represent {lost} (they would be dropped or turned "
-                            "into unknown tokens); remove them from the data or use a model whose tokenizer "
-                            "covers them")
-        unknown = getattr(tokenizer, "unk_token_id", None)
-        if unknown is not None and unknown in prompt_ids.token_ids:
-            raise DataError(f"{where}: the prompt encodes to the tokenizer's unknown token "
-                            f"{tokenizer.unk_token!r}: {prompt_ids.text[:60]!r}")
+        check_represented(tokenizer, prompt_ids.text, prompt_ids.token_ids, where)
         total = len(prompt_ids.token_ids) + max_new_tokens
         if context_length is not None and total > context_length:
             raise DataError(
@@ -210,6 +202,28 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
                 f"prompts within {context_length - max_new_tokens} tokens or lower {max_new_tokens_key}")
         encoded.append(prompt_ids)
     return encoded
+
+
+def check_represented(tokenizer, text: str, token_ids: Sequence[int], where: str, what: str = "the prompt") -> None:
+    """`DataError` naming `where` when `token_ids` (the encoding of `text`) lost characters of it (a tokenizer
+    that drops what it cannot represent) or hold the tokenizer's unknown token.
+
+    Args:
+        tokenizer: the tokenizer that encoded `text`.
+        text: what was encoded (all of its characters must survive; whitespace and normalization aside).
+        token_ids: its token ids.
+        where: the dataset and row, for the message.
+        what: what `text` is, for the message.
+    """
+    lost = _unrepresented(text, tokenizer.decode(list(token_ids), skip_special_tokens=False))
+    if lost:
+        raise DataError(f"{where}: the tokenizer cannot represent {lost} (they would be dropped or turned "
+                        "into unknown tokens); remove them from the data or use a model whose tokenizer "
+                        "covers them")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and unknown in token_ids:
+        raise DataError(f"{where}: {what} encodes to the tokenizer's unknown token {tokenizer.unk_token!r}: "
+                        f"{text[:60]!r}")
 
 
 def reward_columns(config: RLVRConfig, domain: str | None = None) -> dict[str, tuple[str, ...]]:

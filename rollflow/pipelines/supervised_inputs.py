@@ -20,6 +20,7 @@ from rollflow.data.supervised import ConversationEncoder
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.preflight import (
+    check_represented,
     check_reward_columns,
     context_length,
     dataset_source,
@@ -98,36 +99,36 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
 
 
 def encode_row(encoder: ConversationEncoder, row: Row, where: str, config) -> Item:
-    """One row as the pipeline trains on it; `DataError` naming `where` for a bad row."""
+    """One row as the pipeline trains on it; `DataError` naming `where` for a bad row, or for characters the
+    tokenizer drops or cannot represent (`check_represented`, the check RLVR prompts get)."""
+    data = config.data
     try:
         if config.pipeline == "dpo":
-            data = config.data
             for column in (data.chosen_key, data.rejected_key):
                 if not isinstance(row.get(column), str):
                     present = ", ".join(sorted(row)) or "none"
                     raise DataError(f"a preference row needs a string {column!r} column (its columns: {present})")
-            pair = encoder.encode(row, row[data.chosen_key]), encoder.encode(row, row[data.rejected_key])
-            for sample in pair:
-                check_representable(encoder.tokenizer, sample)
-            return pair
-        sample = encoder.encode(row)
-        check_representable(encoder.tokenizer, sample)
-        return sample
+            responses = [row[data.chosen_key], row[data.rejected_key]]
+        else:
+            responses = [None]  # the row's own
+        samples = [encoder.encode(row, response) for response in responses]
     except DataError as err:
         raise DataError(f"{where}: {err}") from None
+    for sample, response in zip(samples, responses, strict=True):
+        check_represented(encoder.tokenizer, contents(row, data, response), sample.prompt_ids + sample.response_ids,
+                          where, what="the row")
+    return tuple(samples) if config.pipeline == "dpo" else samples[0]
 
 
-def check_representable(tokenizer, sample: Sample) -> None:
-    """`DataError` when the sample holds the tokenizer's unknown token, naming the characters behind it."""
-    unknown = getattr(tokenizer, "unk_token_id", None)
-    ids = sample.prompt_ids + sample.response_ids
-    if unknown is None or unknown not in ids:
-        return
-    text = " ".join(str(value) for value in sample.row.values() if isinstance(value, (str, list)))
-    lost = [c for c in dict.fromkeys(text) if unknown in tokenizer.encode(c, add_special_tokens=False)]
-    named = ", ".join(repr(c) for c in lost[:8]) or "some characters"
-    raise DataError(f"the tokenizer cannot represent {named} (they encode to {tokenizer.unk_token!r}); remove "
-                    "them from the data or use a model whose tokenizer covers them")
+def contents(row: Row, data, response: str | None = None) -> str:
+    """The text of a row the tokens must carry: its turns' contents, or its prompt and response (`response`
+    instead of its own, as for DPO's chosen / rejected)."""
+    messages = row.get(data.messages_key)
+    if response is None and isinstance(messages, list):
+        return "\n".join(turn.get("content", "") for turn in messages if isinstance(turn, dict))
+    prompt = row.get(data.prompt_key)
+    prompt = "\n".join(turn.get("content", "") for turn in prompt) if isinstance(prompt, list) else str(prompt)
+    return prompt + "\n" + (row.get(data.response_key) if response is None else response)
 
 
 def greedy_prompt_row(row: Row, data) -> Row:
