@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--intermediate-size", type=int, help="MLP width")
     new.add_argument("--max-positions", type=int, help="context length in tokens")
     new.set_defaults(handler=_new_model)
+    from rollflow.envs.play import add_play_parser  # `rollflow env play ENV_ID`
+
+    add_play_parser(commands)
     return parser
 
 
