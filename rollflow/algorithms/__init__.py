@@ -1,11 +1,20 @@
-"""Pure-torch RL algorithms: advantage estimators, policy losses, KL estimators, loss aggregation.
+"""Pure-torch RL algorithms: advantage estimators, policy losses, KL estimators, loss aggregation, and the
+agentic (multi-turn) advantages over episodes and steps.
 
-Implementations are chosen by name from the four registries; importing this package registers them all.
+Implementations are chosen by name from the registries; importing this package registers them all.
 Shapes: B samples, T response tokens (right-padded), `mask` [B, T] float 1.0 on trained tokens,
-`group_ids` [B] long. See docs/algorithms.md for the formulas and defaults.
+`group_ids` [B] long; the agentic estimators take flat [S] rows (episodes or steps).
+See docs/algorithms.md for the formulas and defaults.
 """
 
 from rollflow.algorithms.advantages import AdvantageInputs
+from rollflow.algorithms.agentic import (
+    AgenticAdvantageInputs,
+    discounted_step_returns,
+    episode_group_advantages,
+    gigpo_advantages,
+    step_reinforce_advantages,
+)
 from rollflow.algorithms.aggregation import LossNormalizer, aggregate_loss, loss_normalizer
 from rollflow.algorithms.corrections import masked_is, train_infer_correction, truncated_is_weights
 from rollflow.algorithms.distillation import DIVERGENCES, distill_token_loss, restrict_to_topk
@@ -19,6 +28,7 @@ from rollflow.algorithms.preference import (
 )
 from rollflow.algorithms.registries import (
     ADVANTAGE_ESTIMATORS,
+    AGENTIC_ADVANTAGES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
@@ -40,11 +50,13 @@ from rollflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AGENTIC_ADVANTAGES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageInputs",
+    "AgenticAdvantageInputs",
     "FixedKLController",
     "LossNormalizer",
     "PolicyLossInputs",
@@ -55,6 +67,9 @@ __all__ = [
     "clip_rewards",
     "clipped_value_loss",
     "difficulty_mask",
+    "discounted_step_returns",
+    "episode_group_advantages",
+    "gigpo_advantages",
     "entropy_from_logits",
     "kl_penalty",
     "loss_normalizer",
@@ -74,4 +89,5 @@ __all__ = [
     "preference_metrics",
     "restrict_to_topk",
     "sequence_logprob_sums",
+    "step_reinforce_advantages",
 ]

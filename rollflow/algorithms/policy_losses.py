@@ -38,6 +38,8 @@ class PolicyLossInputs:
         mask: [B, T] float, 1.0 on trained tokens.
         rollout_logprobs: [B, T] under the behaviour policy (the inference engine), or None.
         rewards: [B] scalar rewards (topr and raft_pp use their sign), or None.
+        segment_ids: [B, T] long, the turn index of each response token in a multi-turn trajectory, -1 on
+            environment / tool / padding tokens (ipa_chunk), or None.
     """
 
     logprobs: Tensor
@@ -46,6 +48,7 @@ class PolicyLossInputs:
     mask: Tensor
     rollout_logprobs: Tensor | None = None
     rewards: Tensor | None = None
+    segment_ids: Tensor | None = None
 
 
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""The four algorithm registries and the check that a config's options fit the chosen function.
+"""The algorithm registries and the check that a config's options fit the chosen function.
 
 Each algorithm module registers its functions here by name; `rollflow.algorithms` re-exports the registries.
 Call signatures of the registered functions:
@@ -7,6 +7,8 @@ Call signatures of the registered functions:
 * `POLICY_LOSSES[name](inputs: PolicyLossInputs, **options) -> (per_token_loss [B, T], metrics)`
 * `KL_ESTIMATORS[name](logprobs [B, T], ref_logprobs [B, T]) -> kl [B, T]`
 * `LOSS_AGGREGATIONS[name](per_token_loss [B, T], mask [B, T], normalizer: LossNormalizer) -> scalar`
+* `AGENTIC_ADVANTAGES[name](inputs: AgenticAdvantageInputs, **options) -> (advantages [S], metrics)`, over
+  flat per-episode or per-step rows (`rollflow.algorithms.agentic`)
 
 Options are keyword-only parameters with defaults, so `check_hyperparams` can validate a config's keys
 against the function before the first step runs.
@@ -25,8 +27,9 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimat
 POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator")
 LOSS_AGGREGATIONS: Registry[Callable[..., Any]] = Registry("loss aggregation")
+AGENTIC_ADVANTAGES: Registry[Callable[..., Any]] = Registry("agentic advantage estimator")
 
-_ALL_REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS)
+_ALL_REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, AGENTIC_ADVANTAGES)
 
 
 def _describe(fn: Callable[..., Any]) -> str:

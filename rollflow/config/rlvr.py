@@ -13,6 +13,7 @@ from rollflow.algorithms import (
     POLICY_LOSSES,
     check_hyperparams,
 )
+from rollflow.algorithms.agentic import TURN_LEVEL_LOSSES
 from rollflow.config.sections import RunConfigBase, Strict
 
 # Estimators whose baseline is the mean of the sample's prompt group: with one sample per prompt the sample is
@@ -292,6 +293,9 @@ class AlgorithmConfig(Strict):
                 raise ValueError(registry.unknown_message(name))
             if kwargs is not None:
                 check_hyperparams(registry.get(name), kwargs)
+        if self.policy_loss in TURN_LEVEL_LOSSES:
+            raise ValueError(f"policy_loss {self.policy_loss!r} takes one ratio per turn of a multi-turn episode; "
+                             "it works in the agentic pipeline (pipeline: agentic), not on single responses")
         return self
 
     @model_validator(mode="after")

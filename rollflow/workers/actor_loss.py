@@ -27,7 +27,8 @@ class ActorLoss:
 
     Needs `micro_batch.extras["advantages"]` [b, T]; uses `extras["old_logprobs"]` when present (several
     optimizer steps per RL step) and the current logprobs, detached, otherwise (one step: ratio == 1);
-    `extras["ref_logprobs"]` when `kl_loss_coef > 0`.
+    `extras["ref_logprobs"]` when `kl_loss_coef > 0`; `extras["segment_ids"]` [b, T] (turn index per token)
+    when the policy loss works per turn (`ipa_chunk`).
 
     With `algorithm.train_infer_correction`, the policy-gradient term is multiplied by truncated IS weights
     and/or masked (MIS) per `algorithms.train_infer_correction(old_logprobs, rollout_logprobs)`; the KL and
@@ -62,6 +63,7 @@ class ActorLoss:
             mask=policy_mask,
             rollout_logprobs=batch.rollout_logprobs,
             rewards=batch.rewards,
+            segment_ids=batch.extras.get("segment_ids"),  # [b, T] turn index (ipa_chunk), or None
         )
         per_token, loss_metrics = self.policy_loss(inputs, **self.policy_loss_kwargs)  # [b, T]
         if weights is not None:

@@ -8,6 +8,7 @@ import torch
 
 from rollflow.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    AGENTIC_ADVANTAGES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
@@ -24,14 +25,20 @@ def test_registered_names():
     assert ADVANTAGE_ESTIMATORS.names() == [
         "dr_grpo", "gae", "grpo", "lite_ppo", "opd", "reinforce", "reinforce_pp", "rloo",
     ]  # fmt: skip
-    assert POLICY_LOSSES.names() == ["cispo", "gspo", "kimi15", "ppo", "raft_pp", "tis", "topr", "vanilla_pg"]
+    assert POLICY_LOSSES.names() == [
+        "cispo", "gspo", "ipa_chunk", "kimi15", "ppo", "raft_pp", "tis", "topr", "vanilla_pg",
+    ]  # fmt: skip
     assert KL_ESTIMATORS.names() == ["abs", "k1", "k2", "k3", "mse"]
     assert LOSS_AGGREGATIONS.names() == [
         "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean",
     ]  # fmt: skip
+    assert AGENTIC_ADVANTAGES.names() == ["gigpo", "starpo", "step_reinforce"]
 
 
-@pytest.mark.parametrize("registry", [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS])
+ALL_REGISTRIES = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, AGENTIC_ADVANTAGES]
+
+
+@pytest.mark.parametrize("registry", ALL_REGISTRIES)
 def test_unknown_name_lists_valid_names(registry):
     with pytest.raises(UnknownNameError) as error:
         registry.get("no_such_thing")
@@ -75,11 +82,7 @@ def test_check_hyperparams_unregistered_function_and_required_option():
     check_hyperparams(my_loss, {"scale": 1.0})
 
 
-ALL_FUNCTIONS = [
-    (registry, name)
-    for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS)
-    for name in registry.names()
-]
+ALL_FUNCTIONS = [(registry, name) for registry in ALL_REGISTRIES for name in registry.names()]
 
 
 @pytest.mark.parametrize(("registry", "name"), ALL_FUNCTIONS, ids=[f"{r.kind}:{n}" for r, n in ALL_FUNCTIONS])
@@ -139,6 +142,7 @@ def test_policy_loss_contract(name):
         mask=mask,
         rollout_logprobs=old + 0.1 * torch.randn(6, 5, generator=generator),
         rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, -1.0, 1.0]),
+        segment_ids=torch.where(mask > 0, torch.arange(5) // 2, -1),  # [B, T] turns of 2 tokens (ipa_chunk)
     )
     loss, metrics = POLICY_LOSSES.get(name)(inputs)
     assert loss.shape == mask.shape

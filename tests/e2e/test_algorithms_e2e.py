@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from rollflow.algorithms.agentic import TURN_LEVEL_LOSSES
 from rollflow.config import RunConfig, load_config, pipeline_of
 from rollflow.models import resolve_model_path
 from rollflow.pipelines.rlvr import run_rlvr
@@ -114,7 +115,8 @@ def test_every_name_is_covered(random_model_dir, tmp_path):
     configs = [_config(path, [], tmp_path) for path in RUN_HERE]
     configs += [_config(QUICKSTART, case, tmp_path, random_model_dir) for case in EXTRA_CASES.values()]
     assert {c.algorithm.advantage for c in configs} == set(ADVANTAGE_ESTIMATORS.names())
-    assert {c.algorithm.policy_loss for c in configs} == set(POLICY_LOSSES.names())
+    # turn-level losses (ipa_chunk) run in the agentic pipeline: tests/e2e/test_agentic_runs.py
+    assert {c.algorithm.policy_loss for c in configs} == set(POLICY_LOSSES.names()) - set(TURN_LEVEL_LOSSES)
     assert {c.algorithm.loss_aggregation for c in configs} == set(LOSS_AGGREGATIONS.names())
 
 
