@@ -13,6 +13,10 @@ Partial rollout: `update_weights` between tokens changes the weights the next to
 samples in flight keep their tokens and continue, each token tagged with the version that sampled it.
 Their KV cache (prompt and earlier tokens) stays as the old weights computed it.
 
+With `prefix_cache_tokens > 0` the KV of finished single-sample sequences is kept, and a prompt that
+extends one (the next turn of a conversation) prefills only its new tokens (`prefix_cache.py`); new
+weights empty that cache.
+
 When decoding raises (a CUDA error, NaN logits from non-finite weights), every request still queued or in
 the batch fails with one `EngineError` and the next `generate` starts afresh.
 
@@ -43,6 +47,7 @@ from rollflow.engines.base import (
     sample_seed,
 )
 from rollflow.engines.lifecycle import EngineLifecycle
+from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
 from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 
 
@@ -53,6 +58,9 @@ class _Pending:
     outputs: list[CompletionOutput] = field(default_factory=list)
     unfinished: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    cache_epoch: int = -1  # the prefix cache's epoch when the request was admitted
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefill_tokens: int = 0  # prompt tokens prefilled
 
 
 class HFEngine:
@@ -66,13 +74,18 @@ class HFEngine:
         device: torch device ("cpu", "cuda").
         continuous_batching: admit queued requests into the running batch at every token (True), or only
             once the batch is empty (False: decoding in waves).
+        prefix_cache_tokens: 0, or the most tokens whose KV the prefix cache keeps (least recently used
+            evicted): single-sample sequences that finished keep their KV, and a later prompt extending
+            one (the next turn of a conversation) prefills only its new tokens (`prefix_cache.py`).
 
-    `stats`: `tokens` sampled, `prefills` (one per admission, however many requests it admits), `waves`
-    (times decoding started on an empty batch), `decode_seconds` (wall time with a batch running).
+    `stats`: `tokens` sampled, `prefills` (one per admission, however many requests it admits),
+    `prefill_tokens` (prompt tokens prefilled), `waves` (times decoding started on an empty batch),
+    `decode_seconds` (wall time with a batch running).
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", max_batch_size: int = 256, seed: int = 0,
-                 device: str = "cpu", trust_remote_code: bool = False, continuous_batching: bool = True):
+                 device: str = "cpu", trust_remote_code: bool = False, continuous_batching: bool = True,
+                 prefix_cache_tokens: int = 0):
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
         if self.device.type == "cpu":
@@ -83,16 +96,24 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.continuous_batching = continuous_batching
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._lifecycle = EngineLifecycle()
         self._queue: deque[_Pending] = deque()
         self._unresolved: set[_Pending] = set()  # queued or in the batch; what close() must resolve
         self._aborted: set[str] = set()  # ids of requests in the batch that the next token step drops
         self._runner: asyncio.Task | None = None
-        self.stats = {"tokens": 0, "prefills": 0, "waves": 0, "decode_seconds": 0.0}
+        self.stats = {"tokens": 0, "prefills": 0, "prefill_tokens": 0, "waves": 0, "decode_seconds": 0.0}
 
     @property
     def version(self) -> int:
         return self._lifecycle.version
+
+    def prefix_cache_stats(self) -> dict:
+        """`prefilled_tokens` and `reused_tokens` (prompt tokens computed / taken from the prefix cache),
+        `lookups`, `hits`, `invalidations`, and the `entries` and `cached_tokens` held now."""
+        cache = self.prefix_cache
+        return {"prefilled_tokens": self.stats["prefill_tokens"], **cache.stats, "entries": len(cache),
+                "cached_tokens": cache.cached_tokens}
 
     # ---- protocol ------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -124,20 +145,24 @@ class HFEngine:
 
         May be called between tokens of running requests (partial rollout): their later tokens are
         sampled with the new weights and carry `version`; the KV cache of their earlier tokens is kept as
-        the old weights computed it.
+        the old weights computed it. The prefix cache is emptied (its KV is the old weights'), and those
+        requests' sequences do not enter it.
         """
         self._lifecycle.check_open()
         params = dict(self.model.named_parameters())
         unknown = sorted(set(named_tensors) - set(params))
         if unknown:
             raise KeyError(f"weights for unknown parameters: {unknown[:5]}")
+        self.prefix_cache.clear()
         with torch.no_grad():
             for name, tensor in named_tensors.items():
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
         self._lifecycle.version = version
 
     def sleep(self) -> None:
-        """Release memory between rollout phases (moves weights to CPU on an accelerator)."""
+        """Release memory between rollout phases (moves weights to CPU on an accelerator, empties the
+        prefix cache)."""
+        self.prefix_cache.clear()
         on_accelerator = self.device.type != "cpu"
         self._lifecycle.sleep(lambda: self.model.to("cpu") if on_accelerator else None,
                               weights_released=on_accelerator)
@@ -167,6 +192,7 @@ class HFEngine:
         self._unresolved.clear()
         self._queue.clear()
         self._aborted.clear()
+        self.prefix_cache.clear()
         self.model = None
 
     # ---- decoding ------------------------------------------------------------------------------------
@@ -241,6 +267,7 @@ class HFEngine:
         """Prefill the admitted requests' prompts and add their rows to `batch` (or start one).
 
         One prefill per request, not per sample: the `n` rows of a request share their prompt's KV cache.
+        A prompt that extends a sequence in the prefix cache prefills only the tokens past it.
         """
         rows = [_Row(pending, slot, self._row_generator(pending.request.params, slot))
                 for pending in admitted for slot in range(pending.request.params.n)]
@@ -250,10 +277,17 @@ class HFEngine:
             pending.outputs = [CompletionOutput(finish_reason="abort")
                                for _ in range(pending.request.params.n)]
             pending.unfinished = pending.request.params.n
-        input_ids, attention = left_pad([p.request.prompt_ids for p in admitted], self.pad_id,
-                                        self.device)  # [R, P]
-        positions = (attention.cumsum(1) - 1).clamp(min=0)  # [R, P]
-        logits, cache = self._forward(input_ids, attention, positions, None)  # [R, V]; None: a new cache
+            pending.cache_epoch = self.prefix_cache.epoch
+        hits = [self.prefix_cache.lookup(p.request.prompt_ids) for p in admitted]
+        for pending, hit in zip(admitted, hits):
+            pending.reused_tokens = hit.length if hit else 0
+            pending.prefill_tokens = len(pending.request.prompt_ids) - pending.reused_tokens
+        self.stats["prefill_tokens"] += sum(p.prefill_tokens for p in admitted)
+        input_ids, attention = left_pad([p.request.prompt_ids[p.reused_tokens:] for p in admitted],
+                                        self.pad_id, self.device)  # [R, S] the tokens to prefill
+        # [R, P] attention (P = S + the longest reused prefix), [R, S] positions, that prefix's cache or None
+        attention, positions, cache = with_prefixes(hits, attention)
+        logits, cache = self._forward(input_ids, attention, positions, cache)  # [R, V]
         if len(rows) != len(admitted):
             request_of_row = torch.tensor([i for i, p in enumerate(admitted)
                                            for _ in range(p.request.params.n)], device=self.device)  # [N]
@@ -363,6 +397,11 @@ class HFEngine:
         out.logprobs = batch.logprobs[i, :length].tolist()
         out.policy_versions = batch.versions[i, :length].tolist()
         out.finish_reason = reason
+        if (reason != "abort" and row.params.n == 1 and batch.mergeable and self.prefix_cache.enabled
+                and row.pending.cache_epoch == self.prefix_cache.epoch):  # KV all from the current weights
+            # The last sampled token was never fed: the cache holds the prompt and the tokens before it.
+            self.prefix_cache.insert(row.pending.request.prompt_ids + out.token_ids[:-1],
+                                     lambda: batch.row_kv(i))
         row.pending.unfinished -= 1
         if row.pending.unfinished == 0:
             self._resolve(row.pending, row.pending.outputs)
@@ -382,7 +421,8 @@ class HFEngine:
         self._unresolved.discard(pending)
         if not pending.future.done():
             metadata = {"seconds": time.perf_counter() - pending.submitted,
-                        "version": self._lifecycle.version}
+                        "version": self._lifecycle.version, "prefill_tokens": pending.prefill_tokens,
+                        "prefix_reused_tokens": pending.reused_tokens}
             pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
 
 
@@ -493,6 +533,13 @@ class _Batch:
         self.versions[index] = version
         self.lengths += self.active
         self.last_tokens = tokens
+
+    def row_kv(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `i`'s keys and values in the `T` cache columns it attends to: per layer
+        [KV heads, T, head dim]."""
+        columns = torch.nonzero(self.attention[i]).flatten()  # [T]
+        return [(layer.keys[i].index_select(1, columns), layer.values[i].index_select(1, columns))
+                for layer in self.cache.layers]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only batch rows `keep` ([B'] indices), and drop cache columns no kept row attends to."""
