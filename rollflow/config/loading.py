@@ -16,6 +16,7 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from rollflow.config.agentic import AgenticConfig
 from rollflow.config.rlvr import RLVRConfig
 from rollflow.config.sections import RunConfigBase
 from rollflow.config.supervised import DistillConfig, DPOConfig, SFTConfig
@@ -31,6 +32,7 @@ PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
 PIPELINE_CONFIGS.register("sft")(SFTConfig)
 PIPELINE_CONFIGS.register("dpo")(DPOConfig)
 PIPELINE_CONFIGS.register("distill")(DistillConfig)
+PIPELINE_CONFIGS.register("agentic")(AgenticConfig)
 
 RunConfig = Annotated[Union[tuple(PIPELINE_CONFIGS[name] for name in PIPELINE_CONFIGS)],  # noqa: UP007
                       Field(discriminator="pipeline")]

@@ -392,6 +392,10 @@ class RolesConfig(Strict):
         default=RoleConfig(),
         description="Workers of each model-based reward (LLM judge, reward model), started when a reward "
                     "needs one; see [rewards.md](rewards.md).")
+    env: RoleConfig = Field(
+        default=RoleConfig(),
+        description="Env workers of the agentic pipeline: each holds many environments, one thread each, and "
+                    "runs every env step under `env.step_timeout_s`; see [agentic.md](agentic.md).")
 
     def of(self, role: str) -> RoleConfig:
         """The section of `role`."""

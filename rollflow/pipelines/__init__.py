@@ -42,3 +42,5 @@ PIPELINES.register("rlvr")(Pipeline(PIPELINE_CONFIGS["rlvr"], "rollflow.pipeline
 for _name in ("sft", "dpo", "distill"):  # one driver, three objectives (rollflow.pipelines.supervised)
     PIPELINES.register(_name)(Pipeline(PIPELINE_CONFIGS[_name], "rollflow.pipelines.supervised:supervised_roles",
                                        "rollflow.pipelines.supervised:run_supervised"))
+PIPELINES.register("agentic")(Pipeline(PIPELINE_CONFIGS["agentic"], "rollflow.pipelines.agentic:agentic_roles",
+                                       "rollflow.pipelines.agentic:run_agentic"))

@@ -33,6 +33,7 @@ ROLE_WORKERS.register("actor_infer")("rollflow.workers.rollout:RolloutWorker")
 ROLE_WORKERS.register("reference")("rollflow.workers.reference:ReferenceWorker")
 ROLE_WORKERS.register("critic")("rollflow.workers.critic:CriticWorker")
 ROLE_WORKERS.register("reward")("rollflow.workers.reward:RewardWorker")
+ROLE_WORKERS.register("env")("rollflow.workers.env:EnvWorker")
 
 # Roles whose workers hold a training backend: their ranks meet at rank 0's address, then build it together.
 TRAINER_ROLES = ("actor_train", "critic", "reference")

@@ -1,0 +1,198 @@
+"""The agentic pipeline's config: environments instead of prompt datasets, multi-turn rollouts, and the
+trajectory- and step-level algorithms (StarPO, GiGPO, step REINFORCE, IPA chunk credit)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollflow.algorithms import (
+    AGENTIC_ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    check_hyperparams,
+)
+from rollflow.config.rlvr import TrainInferCorrectionConfig
+from rollflow.config.sections import RunConfigBase, Strict
+
+
+class FaultInjectionConfig(Strict):
+    """Make env steps fail on purpose (a test hook of the env workers' fault handling)."""
+
+    raise_fraction: float = Field(default=0.0, ge=0, le=1, description="Steps that raise an exception.")
+    hang_fraction: float = Field(default=0.0, ge=0, le=1, description="Steps that hang for `hang_s`.")
+    hang_s: float = Field(default=3600.0, gt=0, description="How long a hanging step sleeps.")
+
+
+class EnvConfig(Strict):
+    id: str = Field(
+        default="frozenlake",
+        description="The environment: a built-in (`frozenlake`, `sokoban`, `countdown`, `guess_number`), "
+                    "`gem:<id>` (any env of the `gem-llm` package), `gym:<id>` (a gymnasium env with text "
+                    "observations) or a dotted path `pkg.module:factory`. See [agentic.md](agentic.md).")
+    kwargs: dict[str, Any] = Field(default={}, description="Keyword arguments of the env's constructor.")
+    eval_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Constructor arguments of the eval envs; `null`: `kwargs`.")
+    max_turns: int = Field(
+        default=8, gt=0,
+        description="Most model turns in one episode; an episode still running then is `truncated` (the env may "
+                    "end it sooner).")
+    step_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="Time limit of one env reset or step; one that raises or runs longer fails its trajectory "
+                    "(counted in `rollout/trajectories/failed`), never the step.")
+    system_prompt: str | None = Field(
+        default=None, description="A system message before the first observation; `null`: none.")
+    fault_injection: FaultInjectionConfig | None = Field(
+        default=None, description="Test hook: training env steps that raise or hang on purpose; `null`: off.")
+
+
+class AgenticRolloutConfig(Strict):
+    groups_per_step: int = Field(
+        default=8, gt=0, description="Env groups (one seed each) whose trajectories one step trains on.")
+    group_size: int = Field(
+        default=8, gt=0,
+        description="Trajectories per group, all from the same seed (so their returns are comparable).")
+    group_redundancy: int = Field(
+        default=0, ge=0,
+        description="Start `group_size` + this many envs per group and keep the first `group_size` that finish "
+                    "(the slowest are aborted); failed trajectories are replaced from the spares. A group "
+                    "left with fewer than `group_size` is dropped and a new group takes its place.")
+    max_refill_groups: int | None = Field(
+        default=None, ge=0,
+        description="Groups started per step in place of dropped ones (failed, stale); `null`: "
+                    "`groups_per_step`.")
+    samples: Literal["trajectory", "step"] = Field(
+        default="trajectory",
+        description="`trajectory`: one sample per episode, its turns concatenated token-exactly (the model's "
+                    "tokens trained, observation tokens masked). `step`: one sample per turn, its prompt the "
+                    "last `history_turns` turns and the current observation.")
+    history_turns: int = Field(
+        default=0, ge=0, description="`samples: step`: earlier turns (observation, action) kept in the prompt.")
+    max_new_tokens: int = Field(default=8, gt=0, description="Response length limit of one turn, in tokens.")
+    max_context_tokens: int | None = Field(
+        default=None, gt=0,
+        description="A trajectory whose next turn would exceed this many tokens (prompt and turns) ends "
+                    "`truncated`; `null`: the model's `max_position_embeddings`.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of training rollouts.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling; 1: off.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0: off.")
+    max_staleness: int = Field(
+        default=0, ge=0,
+        description="Environment-level asynchrony across steps: envs keep playing while the trainer trains, "
+                    "at most this many policy versions ahead; a group with a token older than that is dropped "
+                    "(`rollout/groups/stale`). 0: each step's groups are played from the current weights.")
+    lockstep: bool = Field(
+        default=False,
+        description="Play a step's envs in lockstep (every env's turn waits for all others': the synchronous "
+                    "batch-of-envs baseline of `bench/agentic_async.py`); `false`: each env loops on its own.")
+
+    @property
+    def refill_bound(self) -> int:
+        return self.groups_per_step if self.max_refill_groups is None else self.max_refill_groups
+
+
+class AgenticAlgorithmConfig(Strict):
+    """The advantage (per episode or per step) and the actor loss."""
+
+    advantage: str = Field(
+        default="starpo",
+        description="`starpo` (episode return, group-normalized: trajectory-level GRPO; `{normalize_std: "
+                    "false}`: REINFORCE with a group baseline), `gigpo` (episode advantage + step advantage "
+                    "within groups of identical anchor states) or `step_reinforce`; see "
+                    "[algorithms.md](algorithms.md).")
+    advantage_kwargs: dict[str, Any] = Field(
+        default={}, description="The estimator's options, e.g. `{step_weight: 1.0}` for `gigpo`.")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount of the step returns (gigpo, step_reinforce).")
+    policy_loss: str = Field(
+        default="ppo",
+        description="Policy loss by registry name; `ipa_chunk` takes one importance ratio per turn (the "
+                    "geometric mean of its token ratios).")
+    policy_loss_kwargs: dict[str, Any] = Field(default={}, description="The loss's options.")
+    loss_aggregation: str = Field(default="token_mean", description="How per-token losses become one.")
+    kl_loss_coef: float = Field(
+        default=0.0, ge=0, description="> 0 adds coef * KL(policy ‖ reference) and starts the `reference` role.")
+    kl_estimator: str = Field(default="k3", description="KL estimator of the loss term.")
+    entropy_coef: float = Field(default=0.0, description="Weight of the entropy bonus; 0: off.")
+    advantage_clip: float | None = Field(default=None, gt=0, description="Clamp advantages to `[-clip, clip]`.")
+    train_infer_correction: TrainInferCorrectionConfig | None = Field(
+        default=None, description="Train-inference mismatch correction (TIS / MIS); `null`: off.")
+
+    @model_validator(mode="after")
+    def _known_names(self) -> AgenticAlgorithmConfig:
+        checks = [
+            (AGENTIC_ADVANTAGES, self.advantage, self.advantage_kwargs),
+            (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
+            (LOSS_AGGREGATIONS, self.loss_aggregation, None),
+            (KL_ESTIMATORS, self.kl_estimator, None),
+        ]
+        for registry, name, kwargs in checks:
+            if name not in registry:
+                raise ValueError(registry.unknown_message(name))
+            if kwargs is not None:
+                check_hyperparams(registry.get(name), kwargs)
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_loss_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return False
+
+
+class AgenticEvalConfig(Strict):
+    every_steps: int = Field(
+        default=10, ge=0,
+        description="Greedy eval every N steps, and always before the first and after the last step; 0: only "
+                    "those two.")
+    episodes: int = Field(default=100, ge=0, description="Held-out episodes, one per seed; 0: no eval.")
+    seed_start: int = Field(
+        default=1_000_000, ge=0,
+        description="Eval seeds are `seed_start`, `seed_start + 1`, ...; training seeds are drawn below it.")
+
+
+class AgenticConfig(RunConfigBase):
+    """A run of the agentic pipeline (`pipeline: agentic`)."""
+
+    pipeline: Literal["agentic"] = Field(default="agentic", description="Selects this pipeline.")
+    data: None = Field(default=None, description="Not used: the environments make the episodes (`env`).")
+    env: EnvConfig = Field(default=EnvConfig(), description="The environment the policy acts in.")
+    rollout: AgenticRolloutConfig = Field(
+        default=AgenticRolloutConfig(), description="How episodes are played and turned into samples.")
+    algorithm: AgenticAlgorithmConfig = Field(
+        default=AgenticAlgorithmConfig(), description="The advantage and the actor loss.")
+    eval: AgenticEvalConfig = Field(default=AgenticEvalConfig(), description="Greedy eval on held-out seeds.")
+
+    @model_validator(mode="after")
+    def _env_exists(self) -> AgenticConfig:
+        from rollflow.envs.base import check_env_id
+        from rollflow.errors import RollflowError
+
+        try:
+            check_env_id(self.env.id)
+        except (RollflowError, KeyError) as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _asynchronous_rollout_fits(self) -> AgenticConfig:
+        if not self.rollout.max_staleness:
+            return self
+        engines, trainer = self.roles.actor_infer.device_mapping, self.roles.actor_train.device_mapping
+        if engines is None or trainer is None or set(engines) & set(trainer):
+            raise ValueError("rollout.max_staleness > 0 plays envs while actor_train trains, so the engines need "
+                             "devices of their own; set roles.actor_infer.device_mapping and "
+                             "roles.actor_train.device_mapping to different devices (e.g. [1] and [0])")
+        if "train_infer_correction" not in self.algorithm.model_fields_set:
+            self.algorithm.train_infer_correction = TrainInferCorrectionConfig()
+        return self
+
+    @model_validator(mode="after")
+    def _lockstep_is_synchronous(self) -> AgenticConfig:
+        if self.rollout.lockstep and self.rollout.max_staleness:
+            raise ValueError("rollout.lockstep (the synchronous batch-of-envs baseline) needs max_staleness: 0")
+        return self

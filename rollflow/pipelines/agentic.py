@@ -1,0 +1,179 @@
+"""Agentic pipeline: play env groups -> advantages per episode or per step -> train -> sync -> eval.
+
+The driver owns the loop; env workers hold the environments, engine workers the policy, and `EnvRollout`
+plays the episodes between them (each env on its own, no barrier between envs). Evaluation plays one greedy
+episode per held-out seed and reports `eval/success`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rollflow.cluster.colocation import ColocationManager
+from rollflow.cluster.runtime import pin_threads
+from rollflow.config.agentic import AgenticConfig
+from rollflow.data.multiturn import TurnEncoder
+from rollflow.data.sample import collate
+from rollflow.engines.base import SamplingParams
+from rollflow.errors import ConfigError
+from rollflow.models import load_model_config, load_tokenizer
+from rollflow.pipelines.interrupts import StopSignals
+from rollflow.pipelines.phases import sync_weights
+from rollflow.pipelines.preflight import context_length
+from rollflow.pipelines.run_directory import (
+    prepare_run_dir,
+    read_driver_state,
+    save_checkpoint,
+    write_placement,
+)
+from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
+from rollflow.rollout.episode_advantages import EpisodeAdvantages
+from rollflow.rollout.episodes import episode_samples
+from rollflow.trackers import MetricsTracker
+from rollflow.trackers.plots import plot_curves
+from rollflow.workers.roles import forward_rows, running_roles
+
+PHASES: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_infer", "env"),
+    "reference": ("reference",),
+    "actor_train": ("actor_train",),
+    "weight_sync": ("actor_train", "actor_infer"),
+    "checkpoint": ("actor_train",),
+}
+
+
+def agentic_roles(config: AgenticConfig) -> list[str]:
+    """The roles an agentic run starts, in start order."""
+    roles = ["actor_train", "actor_infer", "env"]
+    if config.algorithm.needs_reference and config.roles.actor_train.lora is None:
+        roles.append("reference")
+    return roles
+
+
+def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, float]:
+    """Train a policy in an environment with multi-turn RL. Returns the final metrics (with the initial and
+    final `eval/success`).
+
+    Args:
+        config: the run config.
+        manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
+    """
+    pin_threads(1)
+    model = config.model
+    tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+    encoder = TurnEncoder(tokenizer, config.env.system_prompt)
+    settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))
+    prepared = prepare_run_dir(config)
+    rollout = config.rollout
+    sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+    greedy = SamplingParams(rollout.max_new_tokens, temperature=0.0)
+    eval_seeds = list(range(config.eval.seed_start, config.eval.seed_start + config.eval.episodes))
+    sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
+    roles = agentic_roles(config)
+
+    with StopSignals() as stop, running_roles(config, roles, {"actor_train": ("policy_gradient",)},
+                                              manage_ray) as groups:
+        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
+        if prepared.note:
+            tracker.print(prepared.note)
+        tracker.print(groups.plan.describe())
+        write_placement(config.run_dir / "placement.json", groups)
+        colocation = ColocationManager(groups.plan, dict(groups), PHASES)
+        envs = EnvRollout(groups["actor_infer"].handles, groups["env"].handles, encoder, settings, sampling,
+                          config.seed)
+        advantages = EpisodeAdvantages(config.algorithm, rollout.samples)
+        first_step, initial_eval, version = 0, {}, 0
+        try:
+            if prepared.resume_from:
+                state = read_driver_state(prepared.resume_from)
+                first_step, initial_eval = state["step"], state.get("initial_eval", {})
+                groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
+                envs.load_state(state["rollout"])
+                version = sync_weights(groups, colocation, *sync_args)["sync/version"]
+                tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
+            else:
+                initial_eval = evaluate(envs, colocation, eval_seeds, greedy)
+                tracker.log(0, initial_eval)
+                tracker.print(f"initial eval success {initial_eval.get('eval/success', float('nan')):.3f}")
+            metrics: dict[str, float] = {}
+            for step in range(first_step + 1, config.train.steps + 1):
+                started = time.perf_counter()
+                colocation.enter("rollout")
+                result = envs.next_batch(step, version)
+                episodes = [e for group in result.groups for e in group.episodes]
+                metrics = {**result.metrics, **episode_metrics(episodes, "rollout")}
+                with stop.critical():
+                    samples = episode_samples(episodes, {g.index: i for i, g in enumerate(result.groups)},
+                                              rollout.samples)
+                    if samples:
+                        batch = collate(samples, tokenizer.pad_token_id)
+                        metrics.update(advantages(batch, samples, episodes))
+                        metrics.update(train_on(batch, groups, colocation, config))
+                        metrics.update(sync_weights(groups, colocation, *sync_args))
+                        version = int(metrics["sync/version"])
+                    metrics["train/samples"] = float(len(samples))
+                    metrics.update(colocation.pop_metrics())
+                    if step == config.train.steps or config.eval.every_steps and step % config.eval.every_steps == 0:
+                        metrics.update(evaluate(envs, colocation, eval_seeds, greedy))
+                    metrics["time/step"] = time.perf_counter() - started
+                    tracker.log(step, metrics)
+                    state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
+                    if step == config.train.steps or config.output.save_every_steps and \
+                            step % config.output.save_every_steps == 0:
+                        save_checkpoint(config.run_dir, groups, state)
+        except KeyboardInterrupt:
+            tracker.print("interrupted: resume=true continues from the newest checkpoint")
+            tracker.close()
+            raise
+        finally:
+            envs.close()
+        final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
+        if "eval/success" in final and "initial_eval/success" in final:
+            tracker.print(f"eval success: {final['initial_eval/success']:.3f} at start -> "
+                          f"{final['eval/success']:.3f} after {config.train.steps} steps")
+        tracker.close()
+        plot_curves(config.run_dir, ("rollout/return", "rollout/success", "eval/success"))
+    return final
+
+
+def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRolloutSettings:
+    """`EnvRolloutSettings` from the config; the context limit from the model unless the config sets one."""
+    rollout = config.rollout
+    limit = rollout.max_context_tokens or model_context or 4096
+    if model_context is not None and limit > model_context:
+        raise ConfigError(f"rollout.max_context_tokens ({limit}) is longer than the model's context "
+                          f"({model_context} tokens)")
+    if rollout.max_new_tokens >= limit:
+        raise ConfigError(f"rollout.max_new_tokens ({rollout.max_new_tokens}) leaves no room for a prompt in "
+                          f"{limit} tokens of context")
+    return EnvRolloutSettings(
+        groups_per_step=rollout.groups_per_step, group_size=rollout.group_size,
+        group_redundancy=rollout.group_redundancy, refill_bound=rollout.refill_bound, samples=rollout.samples,
+        history_turns=rollout.history_turns, max_turns=config.env.max_turns, max_context_tokens=limit,
+        max_staleness=rollout.max_staleness, lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s,
+        watchdog_s=config.cluster.watchdog_s, train_seed_bound=max(config.eval.seed_start, 1))
+
+
+def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig) -> dict[str, float]:
+    """Reference logprobs when a KL term needs them, then the actor update."""
+    actor = groups["actor_train"]
+    if config.algorithm.needs_reference:
+        if "reference" in groups:
+            colocation.enter("reference")
+            batch.extras["ref_logprobs"] = forward_rows(groups["reference"], config.roles.reference.backend,
+                                                        "compute_logprobs", batch)
+        else:  # LoRA: the base model, adapters off
+            colocation.enter("actor_train")
+            batch.extras["ref_logprobs"] = actor.call("compute_reference_logprobs", batch)
+    colocation.enter("actor_train")
+    return actor.call("train", batch)
+
+
+def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int],
+             greedy: SamplingParams) -> dict[str, float]:
+    """One greedy episode per held-out seed: `eval/success`, `eval/return`, ..."""
+    if not seeds:
+        return {}
+    colocation.enter("rollout")
+    return episode_metrics(envs.evaluate(seeds, greedy), "eval")
+

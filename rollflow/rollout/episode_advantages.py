@@ -1,0 +1,75 @@
+"""The advantage stage of the agentic pipeline: one advantage per model turn, from the episodes' returns,
+step rewards and anchor states, spread over the turn's tokens.
+
+It runs on the driver between the rollout and the actor update; the math is in
+`rollflow.algorithms.agentic` (`AGENTIC_ADVANTAGES`: starpo, gigpo, step_reinforce).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollflow.algorithms import AGENTIC_ADVANTAGES, AgenticAdvantageInputs, discounted_step_returns
+from rollflow.data.sample import Batch, Sample
+from rollflow.rollout.episodes import Episode, per_token
+
+
+class EpisodeAdvantages:
+    """Fills `batch.extras["advantages"]` [B, T] (each turn's advantage on its tokens) and
+    `["segment_ids"]` [B, T] (the turn of each model token, -1 elsewhere: `ipa_chunk` takes a ratio per turn).
+
+    Args:
+        algorithm: the agentic algorithm config (`advantage`, `advantage_kwargs`, `gamma`, `advantage_clip`).
+        mode: "trajectory" or "step" (`rollout.samples`).
+    """
+
+    def __init__(self, algorithm, mode: str):
+        self.estimator = AGENTIC_ADVANTAGES.get(algorithm.advantage)
+        self.kwargs = dict(algorithm.advantage_kwargs)
+        self.gamma = algorithm.gamma
+        self.clip = algorithm.advantage_clip
+        self.mode = mode
+
+    def __call__(self, batch: Batch, samples: list[Sample], episodes: list[Episode]) -> dict[str, float]:
+        inputs, keys = step_rows(episodes, self.gamma)
+        advantages, metrics = self.estimator(inputs, **self.kwargs)  # [S]
+        if self.clip is not None:
+            advantages = advantages.clamp(-self.clip, self.clip)
+        by_step = dict(zip(keys, advantages.tolist()))
+        values, segments = per_token(samples, by_step, batch.response_width, self.mode)  # [B, T], [B, T]
+        batch.extras["advantages"] = values * batch.response_mask
+        batch.extras["segment_ids"] = segments
+        return {f"advantage/{k}": float(v) for k, v in metrics.items()}
+
+
+def step_rows(episodes: list[Episode], gamma: float) -> tuple[AgenticAdvantageInputs, list[tuple[int, int]]]:
+    """One row per model turn of the usable episodes: its episode's return and group, its anchor state (as an
+    id equal for equal states) and its discounted return.
+
+    Returns:
+        (the estimator's inputs [S], the (episode index, turn) of each row).
+    """
+    keys, returns, groups, episode_ids, anchors, rewards, turns = [], [], [], [], [], [], []
+    anchor_index: dict[str, int] = {}
+    for index, episode in enumerate(episodes):
+        if not episode.usable:
+            continue
+        for number, turn in enumerate(episode.turns):
+            keys.append((index, number))
+            returns.append(episode.episode_return)
+            groups.append(episode.group)
+            episode_ids.append(index)
+            anchors.append(anchor_index.setdefault(turn.anchor, len(anchor_index)))
+            rewards.append(turn.reward)
+            turns.append(number)
+    episode_tensor = torch.tensor(episode_ids, dtype=torch.long)
+    step_returns = discounted_step_returns(torch.tensor(rewards, dtype=torch.float32), episode_tensor,
+                                           torch.tensor(turns, dtype=torch.long), gamma)  # [S]
+    inputs = AgenticAdvantageInputs(
+        episode_returns=torch.tensor(returns, dtype=torch.float32),
+        group_ids=torch.tensor(groups, dtype=torch.long),
+        episode_ids=episode_tensor,
+        anchor_ids=torch.tensor(anchors, dtype=torch.long),
+        step_returns=step_returns,
+    )
+    return inputs, keys

@@ -1,0 +1,98 @@
+"""The agentic pipeline end to end through Ray: GiGPO and StarPO on FrozenLake and Sokoban, a GEM game through
+the adapter, the python-tool env with the sandbox, env faults (raising and hanging steps), asynchronous
+groups, and the CLI.
+
+The runs share one Ray session (`ray_session`) and run in-process (`manage_ray=False`); each costs a few
+seconds of worker start-up, so each run checks several things.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollflow.config import load_config
+from rollflow.fresh_model import save_fresh_model
+from rollflow.pipelines.agentic import run_agentic
+
+pytestmark = pytest.mark.slow
+
+
+def _run(out: Path, name: str, *overrides: str) -> tuple[dict[str, float], list[dict]]:
+    config = load_config(None, ["pipeline=agentic", f"output.dir={out}", f"name={name}",
+                                "output.trackers=[jsonl]", "train.steps=2", "eval.episodes=4",
+                                "eval.every_steps=0", *overrides])
+    final = run_agentic(config, manage_ray=False)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return final, rows
+
+
+def _finite(rows: list[dict]) -> None:
+    for row in rows:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, f"step {row['step']}: {bad}"
+
+
+def test_gigpo_on_frozenlake_survives_raising_and_hanging_env_steps(ray_session, tmp_path):
+    final, rows = _run(
+        tmp_path, "faults", "env.id=frozenlake", "env.kwargs={size: 3, max_turns: 4}", "env.max_turns=4",
+        "rollout.samples=step", "rollout.groups_per_step=4", "rollout.group_size=2",
+        "rollout.group_redundancy=4", "rollout.max_refill_groups=32", "algorithm.advantage=gigpo",
+        "train.steps=3", "env.step_timeout_s=1",
+        "env.fault_injection={raise_fraction: 0.2, hang_fraction: 0.05, hang_s: 600}")
+    _finite(rows)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # every step ran
+    assert sum(row["rollout/failed"] for row in rows[1:]) > 0  # faults failed episodes, counted
+    assert all(row["time/step"] < 60 for row in rows[1:])  # a hang costs its 1 s limit, never 600 s
+    assert all(row["rollout/groups"] == 4 for row in rows[1:])  # spares and refills replaced failed episodes
+    assert "advantage/anchor_group_nontrivial_frac" in rows[1]
+    assert "eval/success" in rows[0] and "eval/success" in rows[-1] and "initial_eval/success" in final
+    assert rows[-1]["eval/episodes_failed"] == 0  # eval envs have no faults
+
+
+def test_starpo_with_turn_ratios_on_sokoban_trajectories_asynchronously(ray_session, tmp_path):
+    _, rows = _run(
+        tmp_path, "sokoban", "env.id=sokoban", "env.kwargs={dim: [5, 5], max_turns: 4}", "env.max_turns=4",
+        "rollout.samples=trajectory", "rollout.groups_per_step=2", "rollout.group_size=4",
+        "algorithm.advantage=starpo", "algorithm.policy_loss=ipa_chunk", "train.steps=3",
+        "rollout.max_staleness=1", "roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[1]")
+    _finite(rows)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert "actor/turn_ratio_mean" in rows[1] and rows[1]["train/samples"] == 8
+    assert all(row["rollout/groups"] == 2 for row in rows[1:])
+
+
+def test_countdown_with_the_python_tool_runs_in_the_sandbox(ray_session, tmp_path):
+    _, rows = _run(
+        tmp_path, "countdown", "env.id=countdown", "env.kwargs={max_turns: 3, tool_reward: 0.1}",
+        "env.max_turns=3", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24",
+        "train.steps=1")
+    _finite(rows)
+    assert rows[1]["train/samples"] == 4 and rows[1]["rollout/turns"] >= 1
+
+
+def test_a_gem_game_runs_through_the_adapter(ray_session, tmp_path):
+    pytest.importorskip("gem")
+    model = tmp_path / "long_context_model"  # GEM's instructions are ~550 characters: more than 256 positions
+    save_fresh_model(model, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                     intermediate_size=64, max_positions=1024)
+    _, rows = _run(
+        tmp_path, "gem", f"model.path={model}", "env.id=gem:game:GuessTheNumber-v0-easy", "env.max_turns=2",
+        "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.steps=1")
+    _finite(rows)
+    assert rows[1]["train/samples"] == 4 and rows[1]["rollout/turns"] >= 1
+
+
+def test_cli_rejects_an_unknown_env_in_one_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("pipeline: agentic\nenv: {id: frozenlak}\n")
+    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "train", str(config)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "unknown environment 'frozenlak'" in result.stderr and "Did you mean 'frozenlake'" in result.stderr
+    assert "Traceback" not in result.stderr

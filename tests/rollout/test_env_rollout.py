@@ -1,0 +1,238 @@
+"""`EnvRollout` against a scripted engine and real `EnvWorker`s (called in-process): token-exact
+trajectories, step-wise samples, groups with redundancy, failed and hung envs, staleness, lockstep."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rollflow.cluster.placement import WorkerPlacement
+from rollflow.config.agentic import AgenticConfig
+from rollflow.data.multiturn import TurnEncoder
+from rollflow.data.sample import collate
+from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
+from rollflow.models import resolve_model_path
+from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
+from rollflow.rollout.episode_advantages import EpisodeAdvantages
+from rollflow.rollout.episodes import episode_samples
+from rollflow.workers.env import EnvWorker
+
+TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
+EOS = TOKENIZER.eos_token_id
+
+
+class Remote:
+    """`handle.method.remote(...)` for an in-process object: the call's coroutine (or value)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        method = getattr(self.target, name)
+        return SimpleNamespace(remote=method)
+
+
+class ScriptedEngine:
+    """Answers every turn with `action` (+ EOS), logprob -0.5 per token, tagged with its version; records
+    every prompt it was given. `delay(prompt)` seconds before answering."""
+
+    def __init__(self, action: str = "Right", delay=lambda prompt: 0.0):
+        self.action_ids = TOKENIZER(action, add_special_tokens=False)["input_ids"] + [EOS]
+        self.delay, self.version = delay, 0
+        self.prompts: list[list[int]] = []
+        self.outputs: list[list[int]] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, request):
+        self.prompts.append(list(request.prompt_ids))
+        await asyncio.sleep(self.delay(request.prompt_ids))
+        ids = list(self.action_ids)
+        self.outputs.append(ids)
+        return Completion(request.request_id, [CompletionOutput(ids, [-0.5] * len(ids), [self.version] * len(ids))])
+
+    def abort(self, request_ids):
+        self.aborted += request_ids
+
+
+def env_worker(env: dict, index: int = 0) -> EnvWorker:
+    config = AgenticConfig.model_validate({"env": env})
+    placement = WorkerPlacement("env", index, (), None, (), 1)
+    return EnvWorker(placement, config)
+
+
+def rollout(engine, env: dict, workers: int = 1, **settings) -> EnvRollout:
+    defaults = dict(groups_per_step=2, group_size=2, max_turns=8, max_context_tokens=256, step_timeout_s=5.0,
+                    watchdog_s=60.0)
+    defaults.update(settings)
+    envs = [Remote(env_worker(env, i)) for i in range(workers)]
+    return EnvRollout([Remote(engine)], envs, TurnEncoder(TOKENIZER), EnvRolloutSettings(**defaults),
+                      SamplingParams(6), seed=0)
+
+
+# A map where "Right" x3 then "Down" x3 reaches the goal; "Right" alone walks into the wall and stays there.
+CORRIDOR = ["P___", "OOO_", "OOO_", "OOOG"]
+
+
+def test_trajectories_train_on_exactly_the_tokens_the_engine_sampled():
+    engine = ScriptedEngine("Right")
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 5}})
+    try:
+        result = envs.next_batch(1, 0)
+    finally:
+        envs.close()
+    episodes = [e for g in result.groups for e in g.episodes]
+    assert len(episodes) == 4 and all(len(e.turns) == 5 for e in episodes)  # truncated at max_turns
+    samples = episode_samples(episodes, {g.index: i for i, g in enumerate(result.groups)}, "trajectory")
+    batch = collate(samples, TOKENIZER.pad_token_id)
+    for row, (sample, episode) in enumerate(zip(samples, episodes)):
+        # every turn's prompt is the trajectory so far: history is never re-tokenized
+        full = sample.prompt_ids + sample.response_ids
+        for turn in episode.turns:
+            assert full[:len(turn.prompt_ids)] == turn.prompt_ids
+            assert full[len(turn.prompt_ids):len(turn.prompt_ids) + len(turn.token_ids)] == turn.token_ids
+        trained = batch.input_ids[row, batch.prompt_length:][batch.response_mask[row] > 0].tolist()
+        assert trained == [t for turn in episode.turns for t in turn.token_ids]  # only the sampled tokens
+        assert batch.rollout_logprobs[row][batch.response_mask[row] > 0].eq(-0.5).all()
+        versions = batch.policy_versions[row, :len(sample.response_ids)]
+        assert (versions[batch.response_mask[row, :len(sample.response_ids)] == 0] == -1).all()
+    # the text the engine saw is the chat template's rendering of the conversation
+    conversation = []
+    for turn in episodes[0].turns:
+        observation = TOKENIZER.decode(turn.prompt_ids, skip_special_tokens=False).split("<|user|>")[-1]
+        conversation += [{"role": "user", "content": observation.removesuffix("<|assistant|>")},
+                         {"role": "assistant", "content": "Right"}]
+    rendered = TOKENIZER.apply_chat_template(conversation, tokenize=False)
+    assert TOKENIZER.decode(samples[0].prompt_ids + samples[0].response_ids, skip_special_tokens=False) == rendered
+
+
+def test_step_samples_carry_one_turn_each_and_the_advantages_land_on_their_tokens():
+    engine = ScriptedEngine("Right")
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 4}},
+                   samples="step", history_turns=1, group_size=3, groups_per_step=1)
+    try:
+        result = envs.next_batch(1, 0)
+    finally:
+        envs.close()
+    episodes = result.groups[0].episodes
+    samples = episode_samples(episodes, {result.groups[0].index: 0}, "step")
+    assert len(samples) == 3 * 4 and all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
+    second = samples[1]  # turn 1 of episode 0: its prompt holds turn 0 (history_turns 1)
+    assert TOKENIZER.decode(second.prompt_ids, skip_special_tokens=False).count("<|user|>") == 2
+    batch = collate(samples, TOKENIZER.pad_token_id)
+    algorithm = AgenticConfig.model_validate({"algorithm": {"advantage": "step_reinforce"}}).algorithm
+    EpisodeAdvantages(algorithm, "step")(batch, samples, episodes)
+    # every step returns 0 (the wall): all step advantages are 0, on every token
+    assert batch.extras["advantages"].abs().sum() == 0
+    assert (batch.extras["segment_ids"][batch.response_mask > 0] == 0).all()
+
+
+def test_redundant_groups_keep_the_first_finishers_and_abort_the_rest():
+    calls = []
+
+    def delay(prompt):  # the first request (slot 0's first turn) is slow
+        calls.append(prompt)
+        return 2.0 if len(calls) == 1 else 0.0
+
+    engine = ScriptedEngine("Right", delay)
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}},
+                   groups_per_step=1, group_size=2, group_redundancy=1)
+    try:
+        started = time.perf_counter()
+        result = envs.next_batch(1, 0)
+        elapsed = time.perf_counter() - started
+    finally:
+        envs.close()
+    group = result.groups[0]
+    assert [e.slot for e in group.episodes] == [1, 2]  # slot 0 was the slow one
+    assert group.aborted == 1 and result.metrics["rollout/aborted"] == 1
+    assert elapsed < 1.5 and engine.aborted  # did not wait for the slow episode; its request was aborted
+
+
+def test_failing_and_hanging_envs_fail_their_episodes_and_never_the_step():
+    engine = ScriptedEngine("Right")
+    faults = {"raise_fraction": 0.2, "hang_fraction": 0.05, "hang_s": 60.0}
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3},
+                            "step_timeout_s": 0.5, "fault_injection": faults},
+                   workers=2, groups_per_step=4, group_size=2, group_redundancy=2, refill_bound=32)
+    try:
+        started = time.perf_counter()
+        results = [envs.next_batch(step, 0) for step in (1, 2)]
+        elapsed = time.perf_counter() - started
+    finally:
+        envs.close()
+    failed = sum(r.metrics["rollout/failed"] for r in results)
+    assert failed > 0  # with 20% + 5% faulty steps over ~50 steps some episodes fail
+    for result in results:
+        assert len(result.groups) == 4
+        assert all(e.status.value != "failed" for g in result.groups for e in g.episodes)
+    assert elapsed < 30  # hangs cost their 0.5 s limit, not 60 s
+
+
+def test_a_hung_env_step_returns_an_error_within_its_time_limit():
+    worker = env_worker({"id": "frozenlake", "step_timeout_s": 0.3,
+                         "fault_injection": {"hang_fraction": 1.0, "hang_s": 30.0}})
+
+    async def play():
+        reset = await worker.reset("a", 1)
+        started = time.perf_counter()
+        step = await worker.step("a", "Down")
+        return reset, step, time.perf_counter() - started
+
+    reset, step, elapsed = asyncio.run(play())
+    assert "observation" in reset
+    assert step["error"].startswith("env step ran past env.step_timeout_s") and elapsed < 1.0
+    assert worker.stats()["stranded"] == 1 and "a" not in worker.slots
+    assert asyncio.run(worker.step("a", "Down"))["error"].startswith("env slot 'a' is not open")
+
+
+def test_async_groups_older_than_the_staleness_bound_are_dropped():
+    engine = ScriptedEngine("Right")
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}},
+                   groups_per_step=2, max_staleness=1, refill_bound=4)
+    try:
+        first = envs.next_batch(1, 0)  # then the next step's groups play ahead, at version 0
+        time.sleep(0.5)
+        engine.version = 3
+        second = envs.next_batch(3, 3)  # the trainer is at version 3: the groups made at 0 are too old
+    finally:
+        envs.close()
+    assert len(first.groups) == 2
+    assert second.metrics["rollout/groups_stale"] >= 2
+    assert all(g.oldest_version >= 2 for g in second.groups)
+
+
+def test_lockstep_turns_wait_for_every_episode_of_the_step():
+    order = []
+
+    def delay(prompt):
+        order.append(len(prompt))
+        return 0.0
+
+    engine = ScriptedEngine("Right", delay)
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3}},
+                   lockstep=True)
+    try:
+        envs.next_batch(1, 0)
+    finally:
+        envs.close()
+    # 4 episodes x 3 turns; a turn's prompts are longer than the last turn's, and all 4 come before the next
+    assert len(order) == 12
+    assert order[:4] == sorted(order[:4]) and max(order[:4]) < min(order[4:8]) and max(order[4:8]) < min(order[8:])
+
+
+def test_episode_metrics_count_success_and_invalid_actions():
+    engine = ScriptedEngine("jump")
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}})
+    try:
+        episodes = envs.evaluate([5, 6, 7], SamplingParams(6, temperature=0.0))
+    finally:
+        envs.close()
+    metrics = episode_metrics(episodes, "eval")
+    assert metrics["eval/success"] == 0 and metrics["eval/invalid_action_frac"] == 1.0
+    assert metrics["eval/return"] == pytest.approx(-0.2)  # two invalid turns at -0.1
+    assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
