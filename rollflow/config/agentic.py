@@ -26,6 +26,13 @@ class FaultInjectionConfig(Strict):
     hang_s: float = Field(default=3600.0, gt=0, description="How long a hanging step sleeps.")
 
 
+class SimulatedLatencyConfig(Strict):
+    """Slow every env step down by a log-normal delay (what a remote or heavy env costs; `bench/agentic_async.py`)."""
+
+    median_s: float = Field(gt=0, description="Median delay of one step, in seconds.")
+    sigma: float = Field(default=1.0, ge=0, description="Log-normal shape: larger is a heavier tail.")
+
+
 class EnvConfig(Strict):
     id: str = Field(
         default="frozenlake",
@@ -47,6 +54,8 @@ class EnvConfig(Strict):
         default=None, description="A system message before the first observation; `null`: none.")
     fault_injection: FaultInjectionConfig | None = Field(
         default=None, description="Test hook: training env steps that raise or hang on purpose; `null`: off.")
+    simulated_latency: SimulatedLatencyConfig | None = Field(
+        default=None, description="Benchmark hook: a log-normal delay before every env step; `null`: off.")
 
 
 class AgenticRolloutConfig(Strict):

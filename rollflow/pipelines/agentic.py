@@ -31,6 +31,7 @@ from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import episode_samples
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
+from rollflow.trackers.samples import write_samples
 from rollflow.workers.roles import forward_rows, running_roles
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -117,6 +118,9 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                         metrics.update(evaluate(envs, colocation, eval_seeds, greedy))
                     metrics["time/step"] = time.perf_counter() - started
                     tracker.log(step, metrics)
+                    write_samples(config.run_dir / "samples.jsonl", step,
+                                  readable(samples[:config.output.samples_logged_per_step], tokenizer),
+                                  config.output.samples_logged_per_step)
                     state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
                     if step == config.train.steps or config.output.save_every_steps and \
                             step % config.output.save_every_steps == 0:
@@ -167,6 +171,14 @@ def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig
             batch.extras["ref_logprobs"] = actor.call("compute_reference_logprobs", batch)
     colocation.enter("actor_train")
     return actor.call("train", batch)
+
+
+def readable(samples: list, tokenizer) -> list:
+    """The samples with their whole text (observations, turn markers and moves) for `samples.jsonl`."""
+    for sample in samples:
+        sample.prompt_text = tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
+        sample.response_text = tokenizer.decode(sample.response_ids, skip_special_tokens=False)
+    return samples
 
 
 def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int],

@@ -354,7 +354,7 @@ class EnvRollout:
                     break
                 history.append((observation, text))
                 observation = reply["observation"]
-                if settings.samples == "trajectory":
+                if settings.samples == "trajectory" and number + 1 < settings.max_turns:  # a next turn follows
                     episode.add_observation(encoder.observation_turn(observation, output.token_ids))
             else:
                 episode.status = SampleStatus.TRUNCATED  # the turn limit

@@ -30,6 +30,24 @@ class InjectedFault(RuntimeError):
     """The error `FaultyEnv` raises (the fault-injection test hook)."""
 
 
+class SlowEnv:
+    """Wraps an env so that each step first sleeps a log-normal delay (`env.simulated_latency`)."""
+
+    def __init__(self, env: Env, median_s: float, sigma: float, seed: int):
+        self.env, self.median_s, self.sigma = env, median_s, sigma
+        self.rng = random.Random(seed)
+
+    def reset(self, seed: int | None = None):
+        return self.env.reset(seed)
+
+    def step(self, action: str):
+        time.sleep(self.median_s * math.exp(self.sigma * self.rng.gauss(0.0, 1.0)))
+        return self.env.step(action)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
 class FaultyEnv:
     """Wraps an env so that its steps fail on purpose: raise on `raise_fraction` of steps, hang for `hang_s` on
     `hang_fraction` (`env.fault_injection`, for tests of the env workers' fault handling)."""
@@ -116,6 +134,10 @@ class EnvWorker(PlacedWorker):
             if faults is not None and not eval_mode:
                 env = FaultyEnv(env, faults.raise_fraction, faults.hang_fraction, faults.hang_s,
                                 derive_seed(self.seed, "faults", self.index, self.created))
+            latency = config.simulated_latency
+            if latency is not None:
+                env = SlowEnv(env, latency.median_s, latency.sigma,
+                              derive_seed(self.seed, "latency", self.index, self.created))
             observation, info = env.reset(seed=seed)
             return env, observation, info
 

@@ -1,0 +1,72 @@
+"""Scripted-expert FrozenLake steps for the SFT stage of examples/agentic_frozenlake.yaml.
+
+Each row is one step, `{"messages": [{"role": "user", "content": MAP}, {"role": "assistant", "content":
+ACTION}]}`: the same prompt the agentic pipeline gives the model with `rollout.samples: step` and
+`history_turns: 0`. The expert walks a shortest path, except in a fixed share of states (chosen by a hash of
+the map, so the same state always gets the same wrong move): there it writes a deliberate mistake. Greedy
+decoding keeps such systematic mistakes (it would wash out random ones), so the SFT model is competent but
+not perfect, and RL has something to fix.
+
+    python examples/agentic/make_frozenlake_sft.py --out data/frozenlake --maps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from rollflow.envs.base import make_env
+
+ACTIONS = ("Left", "Down", "Right", "Up")
+
+
+def mistaken(observation: str, mistake_rate: float) -> str | None:
+    """The wrong move this state always gets, or None when the expert's move stands."""
+    digest = int(hashlib.sha256(observation.encode()).hexdigest(), 16)
+    if (digest % 1000) / 1000 >= mistake_rate:
+        return None
+    return ACTIONS[(digest // 1000) % len(ACTIONS)]
+
+
+def expert_rows(seed: int, mistake_rate: float, env_kwargs: dict, max_turns: int) -> list[dict]:
+    """The steps of one episode of map `seed`, played by the mistaken expert."""
+    env = make_env("frozenlake", **env_kwargs)
+    observation, _ = env.reset(seed=seed)
+    rows = []
+    for _ in range(max_turns):
+        action = mistaken(observation, mistake_rate) or env.expert_action()
+        rows.append({"messages": [{"role": "user", "content": observation},
+                                  {"role": "assistant", "content": action}]})
+        observation, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            break
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="data/frozenlake")
+    parser.add_argument("--maps", type=int, default=3000, help="training maps (seeds 0..maps-1)")
+    parser.add_argument("--eval-maps", type=int, default=200, help="held-out maps for the SFT eval loss")
+    parser.add_argument("--mistake-rate", type=float, default=0.25, help="share of states with a wrong move")
+    parser.add_argument("--size", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=8)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env_kwargs = {"size": args.size, "max_turns": args.max_turns}
+    splits = {"train": range(args.maps), "eval": range(500_000, 500_000 + args.eval_maps)}
+    for split, seeds in splits.items():
+        rows = [row for seed in seeds for row in expert_rows(seed, args.mistake_rate, env_kwargs, args.max_turns)]
+        random.Random(0).shuffle(rows)
+        with open(out / f"{split}.jsonl", "w") as file:
+            for row in rows:
+                file.write(json.dumps(row) + "\n")
+        print(f"{split}: {len(rows)} steps from {len(seeds)} maps -> {out / f'{split}.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
