@@ -1,13 +1,16 @@
 """`hf` engine: continuous-batching KV-cache decoding with plain transformers models, on CPU or GPU.
 
-One decode batch runs while there is work. Requests queue up; at every token boundary the runner admits
+One decode batch runs while there is work. Requests queue up; at a token boundary the runner admits
 queued requests while the batch has room (`max_batch_size` running sequences): it prefills their prompts
 (once per request, shared by its `n` samples) and merges their KV cache into the running one, aligned by
-left padding, so each row computes exactly what it would alone. Rows leave the batch as they finish, and
-a request's future resolves as soon as all of its samples finish, so its rewards can be computed early.
-The decode loop yields to the event loop between tokens, so `abort`, `generate` and `update_weights` are
-served mid-generation. With `continuous_batching=False` requests wait until the batch is empty (the
-"wave" baseline the benchmark compares against).
+left padding, so each row computes exactly what it would alone. A running batch takes arrivals once the
+oldest has let `admit_wait_steps` token boundaries pass, so requests that arrive one by one (multi-turn
+episodes, each on its own clock) join a few at a time instead of costing a prefill forward and a cache
+merge at nearly every token. Rows leave the batch as they finish, and a request's future resolves as soon
+as all of its samples finish, so its rewards can be computed early. The decode loop yields to the event
+loop between tokens, so `abort`, `generate` and `update_weights` are served mid-generation. With
+`continuous_batching=False` requests wait until the batch is empty (the "wave" baseline the benchmark
+compares against).
 
 Partial rollout: `update_weights` between tokens changes the weights the next token is sampled with;
 samples in flight keep their tokens and continue, each token tagged with the version that sampled it.
@@ -58,6 +61,8 @@ class _Pending:
     outputs: list[CompletionOutput] = field(default_factory=list)
     unfinished: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    submitted_step: int = 0  # the engine's decode steps when it was queued
+    admitted: float | None = None  # when it left the queue for the batch
     cache_epoch: int = -1  # the prefix cache's epoch when the request was admitted
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefill_tokens: int = 0  # prompt tokens prefilled
@@ -77,15 +82,27 @@ class HFEngine:
         prefix_cache_tokens: 0, or the most tokens whose KV the prefix cache keeps (least recently used
             evicted): single-sample sequences that finished keep their KV, and a later prompt extending
             one (the next turn of a conversation) prefills only its new tokens (`prefix_cache.py`).
+        admit_wait_steps: token boundaries a queued request lets pass before it joins a running batch, so
+            that arrivals join together: queued requests join once the oldest of them let this many pass
+            (at once when the batch is empty). Each admission into a running batch costs a prefill forward
+            and a merge of the KV cache, whose fixed cost dominates on a small model; with the default a
+            running batch takes at most one admission per 5 decode steps (requests that waited for room
+            aside), and an arrival starts at most 4 tokens later. Counted in tokens, not seconds, so the
+            trade-off is the same however long a token takes (a loaded CPU, a larger model). 0: join at
+            the next token boundary.
 
     `stats`: `tokens` sampled, `prefills` (one per admission, however many requests it admits),
-    `prefill_tokens` (prompt tokens prefilled), `waves` (times decoding started on an empty batch),
-    `decode_seconds` (wall time with a batch running).
+    `prefill_tokens` (prompt tokens prefilled), `waves` (times decoding started on an empty batch; the
+    other `prefills - waves` admissions merged into a running batch), `decode_steps` (forwards of one
+    token per row: every forward is a prefill or a decode step), `decode_seconds` (wall time with a batch
+    running). A completion's metadata carries `queue_seconds`, from `generate` to its admission.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", max_batch_size: int = 256, seed: int = 0,
                  device: str = "cpu", trust_remote_code: bool = False, continuous_batching: bool = True,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, admit_wait_steps: int = 4):
+        if admit_wait_steps < 0:
+            raise ValueError(f"admit_wait_steps must be >= 0, got {admit_wait_steps}")
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
         if self.device.type == "cpu":
@@ -95,6 +112,7 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.max_batch_size = max_batch_size
         self.continuous_batching = continuous_batching
+        self.admit_wait_steps = admit_wait_steps
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._lifecycle = EngineLifecycle()
@@ -102,7 +120,8 @@ class HFEngine:
         self._unresolved: set[_Pending] = set()  # queued or in the batch; what close() must resolve
         self._aborted: set[str] = set()  # ids of requests in the batch that the next token step drops
         self._runner: asyncio.Task | None = None
-        self.stats = {"tokens": 0, "prefills": 0, "prefill_tokens": 0, "waves": 0, "decode_seconds": 0.0}
+        self.stats = {"tokens": 0, "prefills": 0, "prefill_tokens": 0, "waves": 0, "decode_steps": 0,
+                      "decode_seconds": 0.0}
 
     @property
     def version(self) -> int:
@@ -120,7 +139,8 @@ class HFEngine:
         """Sample `request.params.n` completions of one prompt; RuntimeError while asleep or closed,
         EngineError when decoding fails (NaN logits, a device error)."""
         self._lifecycle.check_can_generate()
-        pending = _Pending(request, asyncio.get_running_loop().create_future())
+        pending = _Pending(request, asyncio.get_running_loop().create_future(),
+                           submitted_step=self.stats["decode_steps"])
         self._queue.append(pending)
         self._unresolved.add(pending)
         if self._runner is None or self._runner.done():
@@ -248,11 +268,12 @@ class HFEngine:
         """The queued requests that join the batch now, first come first served.
 
         Requests join while the running sequences stay within `max_batch_size` (a request larger than that
-        runs alone). They wait for an empty batch when continuous batching is off, or when the model's
-        KV cache is not one this engine can merge (sliding-window or linear-attention layers).
+        runs alone). A running batch takes them once the oldest let `admit_wait_steps` token boundaries
+        pass (`_arrivals_due`). They wait for an empty batch when continuous batching is off, or when the
+        model's KV cache is not one this engine can merge (sliding-window or linear-attention layers).
         """
         running = 0 if batch is None else batch.running
-        if batch is not None and not (self.continuous_batching and batch.mergeable):
+        if batch is not None and not (self.continuous_batching and batch.mergeable and self._arrivals_due()):
             return []
         admitted = []
         while self._queue:
@@ -262,6 +283,16 @@ class HFEngine:
             admitted.append(self._queue.popleft())
             running += n
         return admitted
+
+    def _arrivals_due(self) -> bool:
+        """Whether queued requests may join the running batch: the oldest let `admit_wait_steps` token
+        boundaries pass.
+
+        A request arrives while the loop yields between a token's sampling and the next decode step, so the
+        first boundary it reaches finds one more decode step than it was queued with.
+        """
+        return bool(self._queue) and (self.stats["decode_steps"] - self._queue[0].submitted_step
+                                      > self.admit_wait_steps)
 
     def _join(self, batch: _Batch | None, admitted: list[_Pending]) -> _Batch:
         """Prefill the admitted requests' prompts and add their rows to `batch` (or start one).
@@ -278,6 +309,7 @@ class HFEngine:
                                for _ in range(pending.request.params.n)]
             pending.unfinished = pending.request.params.n
             pending.cache_epoch = self.prefix_cache.epoch
+            pending.admitted = time.perf_counter()
         hits = [self.prefix_cache.lookup(p.request.prompt_ids) for p in admitted]
         for pending, hit in zip(admitted, hits):
             pending.reused_tokens = hit.length if hit else 0
@@ -331,6 +363,7 @@ class HFEngine:
     def _feed(self, batch: _Batch) -> None:
         """Run the model on every row's last sampled token: the next token's logits, one more cache column."""
         batch.attention = torch.cat([batch.attention, batch.active.long().unsqueeze(1)], dim=1)  # [B, L + 1]
+        self.stats["decode_steps"] += 1
         batch.logits, batch.cache = self._forward(batch.last_tokens.unsqueeze(1), batch.attention,
                                                   batch.positions.unsqueeze(1), batch.cache)
         batch.positions += batch.active  # finished rows keep their last position (never past their own)
@@ -420,7 +453,9 @@ class HFEngine:
         self._aborted.discard(pending.request.request_id)
         self._unresolved.discard(pending)
         if not pending.future.done():
-            metadata = {"seconds": time.perf_counter() - pending.submitted,
+            now = time.perf_counter()
+            admitted = now if pending.admitted is None else pending.admitted  # None: resolved while queued
+            metadata = {"seconds": now - pending.submitted, "queue_seconds": admitted - pending.submitted,
                         "version": self._lifecycle.version, "prefill_tokens": pending.prefill_tokens,
                         "prefix_reused_tokens": pending.reused_tokens}
             pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))

@@ -212,7 +212,10 @@ LONG_PROMPT = [3, 23, 24, 25, 26, 27, 28, 29, 30, 5]  # longer than the running 
 
 
 async def _staggered(engine, requests, after_tokens):
-    """Submit request i once the engine has sampled `after_tokens[i]` tokens; the completions in order."""
+    """Submit request i once the engine has sampled `after_tokens[i]` tokens; the completions in order.
+
+    The tests that place a join at a token build their engine with `admit_wait_steps=0` (an arrival joins at
+    the next token instead of being held back to join with later ones)."""
     tasks = []
     for request, tokens in zip(requests, after_tokens):
         while engine.stats["tokens"] < tokens:
@@ -230,7 +233,8 @@ def test_requests_joining_a_running_batch_sample_what_a_static_batch_does(random
     requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_new_tokens=8, temperature=temperature,
                                                                    n=2, seed=11 + i))
                 for i, prompt in enumerate([PROMPTS[1], LONG_PROMPT, PROMPTS[0]])]
-    static, joined = HFEngine(random_model_dir, seed=0), HFEngine(random_model_dir, seed=1)
+    static = HFEngine(random_model_dir, seed=0)
+    joined = HFEngine(random_model_dir, seed=1, admit_wait_steps=0)
     for engine in (static, joined):
         engine.eos_ids = []  # every row runs its 8 tokens: the rows overlap for long
     together = asyncio.run(_staggered(static, requests, [0, 0, 0]))
@@ -243,6 +247,72 @@ def test_requests_joining_a_running_batch_sample_what_a_static_batch_does(random
         for out_a, out_b in zip(a.outputs, b.outputs):
             assert out_a.token_ids == out_b.token_ids and len(out_a.token_ids) == 8
             assert max(abs(x - y) for x, y in zip(out_a.logprobs, out_b.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("wait_steps", [0, 3])
+def test_an_arrival_joins_the_running_batch_once_it_let_admit_wait_steps_tokens_pass(random_model_dir,
+                                                                                     wait_steps, monkeypatch):
+    """A request arriving mid-decoding is held back `admit_wait_steps` token boundaries, then joins the
+    running batch (it does not wait for the batch to finish) and samples what it samples alone."""
+    with pytest.raises(ValueError, match="admit_wait_steps must be >= 0"):
+        HFEngine(random_model_dir, admit_wait_steps=-1)
+    engine = HFEngine(random_model_dir, seed=0, admit_wait_steps=wait_steps)
+    joins, join = [], engine._join
+
+    def recording_join(batch, admitted):  # (decode steps run while each admitted request was queued, id)
+        steps = engine.stats["decode_steps"]
+        joins.extend((steps - p.submitted_step, p.request.request_id) for p in admitted)
+        return join(batch, admitted)
+
+    monkeypatch.setattr(engine, "_join", recording_join)
+    long = GenerationRequest("long", PROMPTS[0], SamplingParams(max_new_tokens=30, min_new_tokens=30,
+                                                                temperature=0.0))
+    short = GenerationRequest("short", PROMPTS[1], SamplingParams(max_new_tokens=4, min_new_tokens=4,
+                                                                  temperature=0.0))
+    _, joined = asyncio.run(_staggered(engine, [long, short], [0, 5]))
+    # The first boundary a request reaches comes after one decode step (it arrives between a token's
+    # sampling and the next step), so it joins after `wait_steps + 1` steps.
+    assert joins == [(0, "long"), (wait_steps + 1, "short")]
+    assert engine.stats["waves"] == 1 and engine.stats["prefills"] == 2  # it joined the running batch
+    assert 0 < joined.metadata["queue_seconds"] < joined.metadata["seconds"]
+    expected = _run(HFEngine(random_model_dir, seed=0), [short])[0].outputs[0]
+    assert joined.outputs[0].token_ids == expected.token_ids
+    assert max(abs(x - y) for x, y in zip(joined.outputs[0].logprobs, expected.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_conversations_on_their_own_clocks_sample_what_each_request_samples_alone(random_model_dir,
+                                                                                  temperature):
+    """Multi-turn conversations whose turns arrive one by one (each after an env delay of its own), through
+    an engine holding arrivals back (the default `admit_wait_steps`): every turn samples the tokens and
+    logprobs it samples alone, seeded rows included."""
+    staggered, alone = HFEngine(random_model_dir, seed=0), HFEngine(random_model_dir, seed=1)
+    for engine in (staggered, alone):
+        engine.eos_ids = []  # every answer runs its max_new_tokens, so conversations overlap
+    limits, observations = (2, 6, 3, 5, 4, 8), [[40, 41], [42], [43, 44, 45]]
+
+    async def conversation(engine, index):
+        prompt, outputs = PROMPTS[index % 3] + [50 + index], []
+        for turn, observation in enumerate(observations):
+            params = SamplingParams(max_new_tokens=limits[index], temperature=temperature,
+                                    seed=10 * index + turn)
+            request = GenerationRequest(f"c{index}t{turn}", prompt, params)
+            outputs.append((await asyncio.wait_for(engine.generate(request), timeout=30)).outputs[0])
+            await asyncio.sleep(0.001 * ((7 * index + 3 * turn) % 5))  # the env step
+            prompt = prompt + outputs[-1].token_ids + observation
+        return outputs
+
+    async def together():
+        return await asyncio.gather(*[conversation(staggered, i) for i in range(len(limits))])
+
+    async def one_at_a_time():
+        return [await conversation(alone, i) for i in range(len(limits))]
+
+    for outputs, expected in zip(asyncio.run(together()), asyncio.run(one_at_a_time()), strict=True):
+        for out, reference in zip(outputs, expected, strict=True):
+            assert out.token_ids == reference.token_ids and len(out.token_ids) > 1
+            assert max(abs(x - y) for x, y in zip(out.logprobs, reference.logprobs)) < 1e-5
+    assert staggered.stats["prefills"] < 3 * len(limits)  # arrivals shared prefills
 
 
 @pytest.mark.parametrize("continuous", [True, False])
@@ -292,7 +362,7 @@ def test_the_cache_may_outgrow_the_models_positions_while_each_row_stays_within_
     """A finished row that has not left yet (4 of 5 rows still run) keeps the cache's early columns while a
     request that joined late runs 55 tokens: the cache gets wider than the model's 64 positions, but
     position ids are per row, so the joined rows get what they get alone."""
-    engine, alone = HFEngine(random_model_dir, seed=0), HFEngine(random_model_dir, seed=0)
+    engine, alone = HFEngine(random_model_dir, seed=0, admit_wait_steps=0), HFEngine(random_model_dir, seed=0)
     widths, forward = [], engine._forward
 
     def recording_forward(ids, attention, *rest):
@@ -391,7 +461,7 @@ def test_abort_close_and_failure_reach_requests_that_joined_a_running_batch(rand
     """abort: a joined request ends "abort" with the prefix it generated, the running one is untouched;
     abort of an unknown id leaves nothing behind. close: both resolve "abort". A failure in the prefill of
     a joining request fails the running request too."""
-    engine = HFEngine(random_model_dir, seed=0)
+    engine = HFEngine(random_model_dir, seed=0, admit_wait_steps=0)
     engine.eos_ids = []
     params = SamplingParams(max_new_tokens=30, temperature=0.0)
     alone = _run(engine, [GenerationRequest("alone", PROMPTS[1], params)])[0].outputs[0]
@@ -428,7 +498,7 @@ def test_abort_close_and_failure_reach_requests_that_joined_a_running_batch(rand
     closed = asyncio.run(close_with_joined())
     assert [c.outputs[0].finish_reason for c in closed] == ["abort", "abort"]
 
-    failing = HFEngine(random_model_dir, seed=0)
+    failing = HFEngine(random_model_dir, seed=0, admit_wait_steps=0)
     forward = failing._forward
 
     def fail_on_second_prefill(ids, *rest):

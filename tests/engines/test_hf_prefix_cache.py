@@ -15,8 +15,10 @@ OBSERVATIONS = [[40, 41, 42], [43, 44], [45, 46, 47, 48]]  # appended after turn
 
 
 def _engines(model_dir, cache_tokens=10_000):
-    """(no cache, with cache), EOS ignored so every sample runs `max_new_tokens`."""
-    engines = HFEngine(model_dir, seed=0), HFEngine(model_dir, seed=1, prefix_cache_tokens=cache_tokens)
+    """(no cache, with cache), EOS ignored so every sample runs `max_new_tokens`; arrivals join a running
+    batch at the next token (`admit_wait_steps=0`), so later turns join batches still decoding."""
+    engines = (HFEngine(model_dir, seed=0, admit_wait_steps=0),
+               HFEngine(model_dir, seed=1, prefix_cache_tokens=cache_tokens, admit_wait_steps=0))
     for engine in engines:
         engine.eos_ids = []
     return engines
