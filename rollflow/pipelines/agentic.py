@@ -89,7 +89,7 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 state = read_driver_state(prepared.resume_from)
                 first_step, initial_eval = state["step"], state.get("initial_eval", {})
                 groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
-                envs.load_state(state["rollout"])
+                envs.load_state(state["rollout"], first_step)
                 version = sync_weights(groups, colocation, *sync_args)["sync/version"]
                 tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
             else:

@@ -111,7 +111,7 @@ class EnvRollout:
         self.settings, self.sampling, self.seed = settings, sampling, seed
         self.engine_load = [0] * len(engines)
         self.env_load = [0] * len(env_workers)
-        self.group_counter = itertools.count()
+        self.next_group = 0  # index of the next group started (its seed key)
         self.request_counter = itertools.count()
         self.slot_counter = itertools.count()
         self.ready: list[EpisodeGroup] = []
@@ -139,10 +139,14 @@ class EnvRollout:
         return future.result()
 
     def state(self) -> dict:
-        return {"groups_started": self.started_groups}
+        """What a checkpoint keeps: the next group index (so a resumed run never replays a seed)."""
+        return {"next_group": self.next_group}
 
-    def load_state(self, state: dict) -> None:
-        self.group_counter = itertools.count(state["groups_started"])
+    def load_state(self, state: dict, step: int) -> None:
+        """Continue after `step`: its groups count as started, and groups played ahead then are played again
+        (with new seeds) when the next step asks for them."""
+        self.next_group = state["next_group"]
+        self.started_groups = step * self.settings.groups_per_step
 
     def close(self) -> None:
         """Abort what is running and stop the loop."""
@@ -204,9 +208,10 @@ class EnvRollout:
         lockstep = _Lockstep() if settings.lockstep else None
         while self.started_groups < bound:
             self.started_groups += 1
-            self._start_group(next(self.group_counter), lockstep)
+            self._start_group(lockstep)
 
-    def _start_group(self, index: int, lockstep: _Lockstep | None) -> None:
+    def _start_group(self, lockstep: _Lockstep | None) -> None:
+        index, self.next_group = self.next_group, self.next_group + 1
         seed = derive_seed(self.seed, "env_group", index) % self.settings.train_seed_bound
         if lockstep is not None:
             lockstep.join(self.settings.group_size + self.settings.group_redundancy)
@@ -234,7 +239,7 @@ class EnvRollout:
         if self.refills_this_step < self.settings.refill_bound:
             self.refills_this_step += 1
             self.counts["refills"] += 1
-            self._start_group(next(self.group_counter), _Lockstep() if self.settings.lockstep else None)
+            self._start_group(_Lockstep() if self.settings.lockstep else None)
 
     def _drop_stale(self, version: int) -> None:
         limit = self.settings.max_staleness

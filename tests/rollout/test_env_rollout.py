@@ -236,3 +236,22 @@ def test_episode_metrics_count_success_and_invalid_actions():
     assert metrics["eval/success"] == 0 and metrics["eval/invalid_action_frac"] == 1.0
     assert metrics["eval/return"] == pytest.approx(-0.2)  # two invalid turns at -0.1
     assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
+
+
+def test_a_resumed_rollout_starts_only_the_next_steps_groups_with_new_seeds():
+    env = {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}}
+    first = rollout(ScriptedEngine("Right"), env)
+    try:
+        before = first.next_batch(1, 0)
+        state = first.state()
+    finally:
+        first.close()
+    resumed = rollout(ScriptedEngine("Right"), env)
+    try:
+        resumed.load_state(state, 1)
+        after = resumed.next_batch(2, 0)
+        left_over = len(resumed.ready) + len(resumed.running)
+    finally:
+        resumed.close()
+    assert len(after.groups) == 2 and left_over == 0  # step 2's groups only, nothing played for nothing
+    assert {g.index for g in after.groups}.isdisjoint({g.index for g in before.groups})  # no seed replayed
