@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import torch
+
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RLVRConfig
@@ -16,6 +18,7 @@ from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.rollout.stream import RolloutStream, Sampler, StreamSettings
 from rollflow.workers.reward import build_reward_fn
+from rollflow.workers.roles import forward_rows
 
 
 def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> RolloutScheduler:
@@ -52,6 +55,18 @@ def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sam
                        min_new_tokens=domain.min_new_tokens)
 
     return RolloutStream(scheduler, sampler, sampling, settings, params_for)
+
+
+def reference_logprobs(batch, groups: WorkerGroups, colocation: ColocationManager, reference_backend: str,
+                       lora_phase: str = "old_logprobs") -> torch.Tensor:
+    """[B, T] log-probs of the batch's responses under the frozen reference: the `reference` role's workers,
+    or, when the run has none (LoRA), the base model inside `actor_train` with its adapters off, in the
+    pipeline's phase `lora_phase` (one that onloads actor_train)."""
+    if "reference" not in groups:
+        colocation.enter(lora_phase)
+        return groups["actor_train"].call("compute_reference_logprobs", batch)
+    colocation.enter("reference")
+    return forward_rows(groups["reference"], reference_backend, "compute_logprobs", batch)
 
 
 def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_bytes: int, checksum: str,

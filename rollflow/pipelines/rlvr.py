@@ -17,7 +17,13 @@ from rollflow.config import RLVRConfig
 from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.pipelines.interrupts import StopSignals
-from rollflow.pipelines.phases import evaluate, rollout_scheduler, rollout_stream, sync_weights
+from rollflow.pipelines.phases import (
+    evaluate,
+    reference_logprobs,
+    rollout_scheduler,
+    rollout_stream,
+    sync_weights,
+)
 from rollflow.pipelines.preflight import build_sampler, check_inputs
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
@@ -34,7 +40,7 @@ from rollflow.trackers.samples import write_samples
 from rollflow.workers.advantages import AdvantageStage
 from rollflow.workers.parity import check_logprob_parity, parity_probe
 from rollflow.workers.reward import model_rewards
-from rollflow.workers.roles import forward_rows, running_roles
+from rollflow.workers.roles import running_roles
 
 # The roles each phase of a step runs (what `ColocationManager` onloads; colocated idle roles are offloaded).
 PHASES: dict[str, tuple[str, ...]] = {
@@ -164,13 +170,8 @@ def train_on(batch, step: int, groups: WorkerGroups, colocation: ColocationManag
              config: RLVRConfig) -> dict[str, float]:
     """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
     algorithm, actor = config.algorithm, groups["actor_train"]
-    if algorithm.needs_reference and "reference" not in groups:  # LoRA: the base model, adapters off
-        colocation.enter("old_logprobs")
-        batch.extras["ref_logprobs"] = actor.call("compute_reference_logprobs", batch)
-    elif "reference" in groups:
-        colocation.enter("reference")
-        batch.extras["ref_logprobs"] = forward_rows(groups["reference"], config.roles.reference.backend,
-                                                    "compute_logprobs", batch)
+    if algorithm.needs_reference:
+        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation, config.roles.reference.backend)
     if advantages.needs_policy_logprobs:
         colocation.enter("old_logprobs")
         batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)

@@ -25,7 +25,7 @@ from rollflow.data.sample import Batch, Sample, collate
 from rollflow.data.supervised import shuffled_batches
 from rollflow.engines.base import SamplingParams
 from rollflow.pipelines.interrupts import StopSignals
-from rollflow.pipelines.phases import evaluate, rollout_scheduler, sync_weights
+from rollflow.pipelines.phases import evaluate, reference_logprobs, rollout_scheduler, sync_weights
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
@@ -156,7 +156,8 @@ def training_batch(items: list[Item], config, groups: WorkerGroups, colocation: 
     rejected rows with `ref_logprobs`; distillation's samples with the teacher's top-k log-probs."""
     if config.pipeline == "dpo":
         batch = collate([sample for pair in items for sample in pair], pad_token_id)
-        batch.extras["ref_logprobs"] = reference_logprobs(batch, config, groups, colocation)
+        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
+                                                          config.roles.reference.backend, "train")
         return batch
     if config.pipeline == "distill":
         samples = [prompt_distillation_sample(s) for s in items] if config.distill.on_prompts else items
@@ -170,15 +171,6 @@ def training_batch(items: list[Item], config, groups: WorkerGroups, colocation: 
         batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = unpack_top_k(packed)
         return batch
     return collate(items, pad_token_id)
-
-
-def reference_logprobs(batch: Batch, config, groups: WorkerGroups, colocation: ColocationManager) -> torch.Tensor:
-    """[B, T] log-probs under the reference: its worker, or with LoRA the base model with adapters off."""
-    if "reference" not in groups:
-        colocation.enter("train")
-        return groups["actor_train"].call("compute_reference_logprobs", batch)
-    colocation.enter("reference")
-    return forward_rows(groups["reference"], config.roles.reference.backend, "compute_logprobs", batch)
 
 
 def prompt_distillation_sample(sample: Sample) -> Sample:
@@ -215,7 +207,7 @@ def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationMana
         for start in range(0, len(inputs.eval), EVAL_BATCH_ROWS // 2):
             batch = collate([s for pair in inputs.eval[start: start + EVAL_BATCH_ROWS // 2] for s in pair],
                             pad_token_id)
-            reference = reference_logprobs(batch, config, groups, colocation)
+            reference = reference_logprobs(batch, groups, colocation, config.roles.reference.backend, "train")
             colocation.enter("train")
             policy = actor.call("compute_logprobs", batch)
             pair = pair_logratios(sequence_logprob_sums(policy, batch.response_mask),
