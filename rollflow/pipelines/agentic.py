@@ -13,12 +13,12 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.runtime import pin_threads
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import collate
+from rollflow.data.sample import SampleStatus, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.models import load_model_config, load_tokenizer
 from rollflow.pipelines.interrupts import StopSignals
-from rollflow.pipelines.phases import sync_weights
+from rollflow.pipelines.phases import reference_logprobs, sync_weights
 from rollflow.pipelines.preflight import context_length
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
@@ -32,11 +32,12 @@ from rollflow.rollout.episodes import episode_samples
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
-from rollflow.workers.roles import forward_rows, running_roles
+from rollflow.workers.roles import running_roles
 
 PHASES: dict[str, tuple[str, ...]] = {
     "rollout": ("actor_infer", "env"),
     "reference": ("reference",),
+    "old_logprobs": ("actor_train",),  # the LoRA reference: actor_train with its adapters off
     "actor_train": ("actor_train",),
     "weight_sync": ("actor_train", "actor_infer"),
     "checkpoint": ("actor_train",),
@@ -162,13 +163,7 @@ def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig
     """Reference logprobs when a KL term needs them, then the actor update."""
     actor = groups["actor_train"]
     if config.algorithm.needs_reference:
-        if "reference" in groups:
-            colocation.enter("reference")
-            batch.extras["ref_logprobs"] = forward_rows(groups["reference"], config.roles.reference.backend,
-                                                        "compute_logprobs", batch)
-        else:  # LoRA: the base model, adapters off
-            colocation.enter("actor_train")
-            batch.extras["ref_logprobs"] = actor.call("compute_reference_logprobs", batch)
+        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation, config.roles.reference.backend)
     colocation.enter("actor_train")
     return actor.call("train", batch)
 
@@ -187,5 +182,7 @@ def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int],
     if not seeds:
         return {}
     colocation.enter("rollout")
-    return episode_metrics(envs.evaluate(seeds, greedy), "eval")
+    episodes = envs.evaluate(seeds, greedy)
+    failed = sum(episode.status == SampleStatus.FAILED for episode in episodes)
+    return {**episode_metrics(episodes, "eval"), "eval/episodes_failed": float(failed)}
 
