@@ -57,8 +57,7 @@ class EpisodeGroup:
     index: int
     seed: int
     episodes: list[Episode]
-    failed: int = 0
-    aborted: int = 0
+    aborted: int = 0  # spares still playing when the group filled
     oldest_version: int | None = None
 
 
@@ -282,7 +281,6 @@ class EnvRollout:
                     task.result()  # an engine error ends the run: it propagates
                     episode = tasks[task]
                     if episode.status == SampleStatus.FAILED or not episode.turns:
-                        group.failed += 1
                         self.counts["failed"] += 1
                     elif len(kept) < size:
                         kept.append(episode)
@@ -343,7 +341,7 @@ class EnvRollout:
                 output = completion.outputs[0]
                 text = encoder.decode(output.token_ids)
                 turn = Turn(prompt, list(output.token_ids), list(output.logprobs), list(output.policy_versions),
-                            text, str(info.get("anchor", observation)), finish_reason=output.finish_reason)
+                            text, str(info.get("anchor", observation)))
                 episode.add_turn(turn)
                 reply = await self._env_call(env_worker.step.remote(slot, text), "step")
                 if "error" in reply:
@@ -369,7 +367,6 @@ class EnvRollout:
                 engine.abort.remote([request_id])
             raise
         finally:
-            episode.finished_at = time.perf_counter()
             self.env_load[env_index] -= 1
             self.engine_load[engine_index] -= 1
             env_worker.close_slot.remote(slot)
@@ -423,7 +420,9 @@ def _failed(seed: int) -> Episode:
 
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Success rate, mean return, turns, invalid actions and env time of `episodes` (`rollout/` or `eval/`)."""
+    """Success rate (failed episodes count as failures), and the mean return, turns, invalid actions and env
+    time of the episodes that did not fail (`rollout/` or `eval/`). Failed training episodes are counted by
+    `EnvRollout` (`rollout/failed`): groups hand out only episodes that did not fail."""
     if not episodes:
         return {}
     usable = [e for e in episodes if e.status != SampleStatus.FAILED]
@@ -436,7 +435,6 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/invalid_action_frac": sum(t.invalid for t in turns) / max(len(turns), 1),
         f"{prefix}/truncated_frac": sum(e.status == SampleStatus.TRUNCATED for e in usable) / count,
         f"{prefix}/env_seconds_per_turn": sum(e.env_seconds for e in usable) / max(len(turns), 1),
-        f"{prefix}/episodes_failed": float(len(episodes) - len(usable)),
     }
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 

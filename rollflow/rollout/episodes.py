@@ -28,7 +28,6 @@ class Turn:
     anchor: str  # the state the action was taken in (GiGPO's anchor state)
     reward: float = 0.0
     invalid: bool = False
-    finish_reason: str = "stop"
 
 
 @dataclass(eq=False)
@@ -60,7 +59,6 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     env_seconds: float = 0.0
-    finished_at: float = 0.0
 
     def add_turn(self, turn: Turn) -> None:
         start = len(self.response_ids)

@@ -27,49 +27,45 @@ from rollflow.workers.base import PlacedWorker
 
 
 class InjectedFault(RuntimeError):
-    """The error `FaultyEnv` raises (the fault-injection test hook)."""
+    """The error an `env.fault_injection` hook raises."""
 
 
-class SlowEnv:
-    """Wraps an env so that each step first sleeps a log-normal delay (`env.simulated_latency`)."""
+class HookedEnv:
+    """An env whose every step first runs the test hooks: a simulated delay (`env.simulated_latency`), an
+    injected fault (`env.fault_injection`)."""
 
-    def __init__(self, env: Env, median_s: float, sigma: float, seed: int):
-        self.env, self.median_s, self.sigma = env, median_s, sigma
-        self.rng = random.Random(seed)
+    def __init__(self, env: Env, hooks: list[Callable[[], None]]):
+        self.env, self.hooks = env, hooks
 
     def reset(self, seed: int | None = None):
         return self.env.reset(seed)
 
     def step(self, action: str):
-        time.sleep(self.median_s * math.exp(self.sigma * self.rng.gauss(0.0, 1.0)))
+        for hook in self.hooks:
+            hook()
         return self.env.step(action)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.env, name)
 
 
-class FaultyEnv:
-    """Wraps an env so that its steps fail on purpose: raise on `raise_fraction` of steps, hang for `hang_s` on
-    `hang_fraction` (`env.fault_injection`, for tests of the env workers' fault handling)."""
+def simulated_delay(median_s: float, sigma: float, rng: random.Random) -> Callable[[], None]:
+    """A hook that sleeps a log-normal delay."""
+    return lambda: time.sleep(median_s * math.exp(sigma * rng.gauss(0.0, 1.0)))
 
-    def __init__(self, env: Env, raise_fraction: float, hang_fraction: float, hang_s: float, seed: int):
-        self.env = env
-        self.raise_fraction, self.hang_fraction, self.hang_s = raise_fraction, hang_fraction, hang_s
-        self.rng = random.Random(seed)
 
-    def reset(self, seed: int | None = None):
-        return self.env.reset(seed)
+def injected_fault(raise_fraction: float, hang_fraction: float, hang_s: float,
+                   rng: random.Random) -> Callable[[], None]:
+    """A hook that raises on `raise_fraction` of steps and sleeps `hang_s` on `hang_fraction` of them."""
 
-    def step(self, action: str):
-        draw = self.rng.random()
-        if draw < self.raise_fraction:
+    def hook() -> None:
+        draw = rng.random()
+        if draw < raise_fraction:
             raise InjectedFault("injected fault: the env raised")
-        if draw < self.raise_fraction + self.hang_fraction:
-            time.sleep(self.hang_s)
-        return self.env.step(action)
+        if draw < raise_fraction + hang_fraction:
+            time.sleep(hang_s)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.env, name)
+    return hook
 
 
 class _SlotThread:
@@ -130,14 +126,16 @@ class EnvWorker(PlacedWorker):
 
         def make_and_reset():
             env = make_env(config.id, **kwargs)
-            faults = config.fault_injection
-            if faults is not None and not eval_mode:
-                env = FaultyEnv(env, faults.raise_fraction, faults.hang_fraction, faults.hang_s,
-                                derive_seed(self.seed, "faults", self.index, self.created))
-            latency = config.simulated_latency
+            hooks = []
+            latency, faults = config.simulated_latency, config.fault_injection
             if latency is not None:
-                env = SlowEnv(env, latency.median_s, latency.sigma,
-                              derive_seed(self.seed, "latency", self.index, self.created))
+                rng = random.Random(derive_seed(self.seed, "latency", self.index, self.created))
+                hooks.append(simulated_delay(latency.median_s, latency.sigma, rng))
+            if faults is not None and not eval_mode:
+                rng = random.Random(derive_seed(self.seed, "faults", self.index, self.created))
+                hooks.append(injected_fault(faults.raise_fraction, faults.hang_fraction, faults.hang_s, rng))
+            if hooks:
+                env = HookedEnv(env, hooks)
             observation, info = env.reset(seed=seed)
             return env, observation, info
 
