@@ -3,7 +3,8 @@ build-tiny-model.
 
 User errors (bad config, missing files, unloadable reward) print one line and exit with status 2; a run that
 fails at run time (a dead or stalled worker, non-finite training) prints one line and exits with status 1; a
-stop signal exits with 130 (SIGINT) or 143 (SIGTERM) after saving the last finished step.
+stop signal exits with 130 (SIGINT) or 143 (SIGTERM) after saving the last finished step. A resumed run that
+has nothing left to do prints why and exits with status 0.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def _keep_worker_traceback(err: BaseException, run_dir) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
 
-    overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}", *args.overrides]
-    if args.data:
-        overrides += [f"data.eval.path={args.data}"]
+    overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}"]
+    if args.config is None:  # every row, as the quickstart's eval (the schema's default eval set stops at 200)
+        overrides.append("data.eval.limit=null")
+    if args.data:  # replaces the config's eval set, `task` or `path`
+        overrides.append(f"data.eval.path={args.data}")
+    overrides += args.overrides  # last: `data.eval.limit=100` wins
     config = load_config(args.config, overrides)
     from rollflow.pipelines.evaluate import run_eval
 
@@ -108,7 +112,10 @@ def _remote_cause(err: BaseException) -> BaseException:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rollflow import __version__
+
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for LLMs.")
+    parser.add_argument("--version", action="version", version=f"rollflow {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="run the pipeline a YAML config names (+ key.path=value overrides)")
@@ -132,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
     evaluate.add_argument("--model", required=True, help="bundled name, HF directory, checkpoint or hub id")
     evaluate.add_argument("--config", default=None, help="YAML config for data/reward settings")
-    evaluate.add_argument("--data", default=None, help="JSONL eval dataset (default: the config's eval set)")
+    evaluate.add_argument("--data", default=None,
+                          help="eval dataset (JSONL, parquet, ...), replacing the config's eval set (default: the "
+                               "config's; without --config, all 500 held-out sums of add2)")
     evaluate.add_argument("--name", default="eval", help="run name for the output directory")
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
     evaluate.set_defaults(handler=_eval)
@@ -182,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except RollflowError as err:  # user errors exit 2, run-time failures (a dead worker, a stall) exit 1
+        exit_code = getattr(err, "exit_code", EXIT_USER_ERROR)
+        if exit_code == 0:  # nothing to do (a resumed run that already finished): a note, not an error
+            print(err)
+            return 0
         print(f"rollflow: error: {_remote_cause(err)}", file=sys.stderr)
-        return getattr(err, "exit_code", EXIT_USER_ERROR)
+        return exit_code
     except Interrupted as err:
         print(f"rollflow: interrupted ({err.signal_name})", file=sys.stderr)
         return err.exit_status

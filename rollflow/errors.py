@@ -6,7 +6,8 @@ class RollflowError(Exception):
     """Base for errors caused by user input or a run's state, not by a bug in rollflow.
 
     `exit_code` is the CLI's exit status for it: 2 for a user error (the default), 1 for a run that failed
-    while running (a worker died, training diverged).
+    while running (a worker died, training diverged), 0 for a request with nothing to do (`RunFinished`: a
+    resume of a run that already reached `train.steps`).
     """
 
     exit_code = 2

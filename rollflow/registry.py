@@ -6,7 +6,11 @@ Plain Python that imports only `rollflow.errors` from the rest of rollflow, so e
 from __future__ import annotations
 
 import difflib
+import importlib
+import os
+import sys
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Generic, TypeVar
 
 from rollflow.errors import RollflowError
@@ -72,9 +76,26 @@ class Registry(Generic[T]):
         return len(self._entries)
 
 
-def import_object(spec: str):
-    """Import `package.module:attribute` and return the attribute."""
-    import importlib
+def import_module(name: str) -> ModuleType:
+    """Import module `name`, searching the current working directory too, as `python -m` users expect of
+    their own modules: `my_rewards:score` finds `./my_rewards.py` under the `rollflow` command, whose
+    `sys.path` starts at the command's own directory. The directory is appended, so an installed package
+    of the same name still wins, and stays (a user module may import its neighbours later).
 
+    Ray workers need nothing more: a local Ray starts them in the driver's working directory, with it on
+    their `sys.path`.
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed: nothing to add
+        return importlib.import_module(name)
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.append(cwd)
+    return importlib.import_module(name)
+
+
+def import_object(spec: str):
+    """Import `package.module:attribute` and return the attribute (a user module may sit in the current
+    working directory: `import_module`)."""
     module_name, _, attribute = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    return getattr(import_module(module_name), attribute)

@@ -239,6 +239,21 @@ def build_optimizer(model: torch.nn.Module, settings: TrainerSettings
     return optimizer, scheduler
 
 
+def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]) -> None:
+    """Restore a saved LR schedule's position (its step count) and continue on `scheduler`'s own schedule.
+
+    The saved state also holds the LR the saved run had reached, which a resumed run with another
+    `total_steps` (`train.steps` raised) must not keep: the LR is recomputed at the restored step, so a
+    cosine schedule is stretched to the new total and every step from here gets the LR a run configured
+    with that total has at that step (with an unchanged total, the same LR as saved).
+    """
+    scheduler.load_state_dict(state)  # the step count; `lr_multiplier`'s settings are not in the state
+    step = scheduler.last_epoch
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reads
+
+
 class TrainingBackendBase:
     """State and bookkeeping shared by the training backends; each backend extends this class once.
 

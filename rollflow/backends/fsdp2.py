@@ -35,7 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollflow.backends.base import LossFn, TrainerSettings, TrainingBackendBase, build_model
+from rollflow.backends.base import (
+    LossFn,
+    TrainerSettings,
+    TrainingBackendBase,
+    build_model,
+    load_scheduler_state,
+)
 from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
 from rollflow.models import DTYPES, load_causal_lm
@@ -317,7 +323,7 @@ class FSDP2Backend(TrainingBackendBase):
             rank_file = path / "trainer_state_rank0.pt"
         trainer_state = torch.load(rank_file, weights_only=False)
         if self.scheduler and trainer_state["scheduler"]:
-            self.scheduler.load_state_dict(trainer_state["scheduler"])
+            load_scheduler_state(self.scheduler, trainer_state["scheduler"])  # stretched to a raised train.steps
         torch.set_rng_state(trainer_state["torch_rng"])
         if self.device.type == "cuda" and trainer_state["cuda_rng"] is not None:
             torch.cuda.set_rng_state(trainer_state["cuda_rng"])

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from rollflow.backends.base import LossFn, TrainerSettings, TrainingBackendBase, build_model
+from rollflow.backends.base import (
+    LossFn,
+    TrainerSettings,
+    TrainingBackendBase,
+    build_model,
+    load_scheduler_state,
+)
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm
 
@@ -117,6 +123,6 @@ class TorchBackend(TrainingBackendBase):
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
-            self.scheduler.load_state_dict(state["scheduler"])
+            load_scheduler_state(self.scheduler, state["scheduler"])  # stretched to a raised train.steps
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -9,6 +9,7 @@ or Ray's imports.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no network here, and no telemetry anyway
@@ -36,10 +38,33 @@ def pin_threads(num_cpus: float) -> int:
     import torch
 
     threads = max(1, int(num_cpus))
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    for var in THREAD_VARIABLES:
         os.environ[var] = str(threads)
     torch.set_num_threads(threads)
     return threads
+
+
+@contextlib.contextmanager
+def pinned_threads(num_cpus: float) -> Iterator[int]:
+    """`pin_threads(num_cpus)` for a block, or as a decorator for a call: afterwards (returned or raised) the
+    caller's torch thread count and thread variables are back. A pipeline's driver runs under it, so a
+    notebook that calls `run_rlvr` keeps its own threads.
+
+    Yields:
+        The thread count, as `pin_threads` returns it.
+    """
+    import torch
+
+    threads, variables = torch.get_num_threads(), {var: os.environ.get(var) for var in THREAD_VARIABLES}
+    try:
+        yield pin_threads(num_cpus)
+    finally:
+        torch.set_num_threads(threads)
+        for var, value in variables.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def pin_worker(threads: int, local_devices: tuple[int, ...] = (), device: str = "cpu") -> int:

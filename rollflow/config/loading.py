@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError
@@ -93,24 +95,127 @@ def config_model(pipeline: object) -> type[RunConfigBase]:
     return PIPELINE_CONFIGS[pipeline]
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, defaults: dict[str, Any]) -> None:
-    """Set `tree[a][b]... = value`; a section missing from `tree` starts as its default, so `a.b.c=1`
-    changes one key of the default section instead of replacing the section."""
-    keys = dotted.split(".")
-    node, default = tree, defaults
-    for key in keys[:-1]:
-        default = default.get(key) if isinstance(default, dict) else None
-        child = node.get(key)
-        if child is None:
-            child = node[key] = copy.deepcopy(default) if isinstance(default, dict) else {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {key!r} is a value, not a section")
+# One key of an override path: a name, then any `[N]` list indices (`functions[0]`, `matrix[1][2]`).
+_PATH_PART = re.compile(r"([^\[\]]*)((?:\[[^\[\]]*\])*)")
+_INDEX = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _override_path(dotted: str) -> list[str | int]:
+    """The keys of an override path: `reward.functions[0].weight` -> `["reward", "functions", 0, "weight"]`.
+
+    A bracketed index becomes an int; a plain all-digit key (`reward.functions.0.weight`) stays a string and
+    indexes a list when the node it meets is one (`_set_dotted`)."""
+    keys: list[str | int] = []
+    for part in dotted.split("."):
+        match = _PATH_PART.fullmatch(part)
+        if match is None:
+            raise ConfigError(f"override {dotted}: {part!r} is not a key or a key with list indices like "
+                              "`functions[0]`")
+        name, indices = match.groups()
+        if name or not indices:
+            keys.append(name)
+        for index in _INDEX.findall(indices):
+            if not index.isdigit():
+                raise ConfigError(f"override {dotted}: [{index}] is not a list index (a number from 0)")
+            keys.append(int(index))
+    return keys
+
+
+def _path_text(keys: list[str | int]) -> str:
+    """`["reward", "functions", 0]` -> `reward.functions[0]`, as a user writes it."""
+    text = ""
+    for key in keys:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else key)
+    return text
+
+
+def _list_index(node: list[Any], key: str | int, keys: list[str | int], dotted: str) -> int:
+    """`key` as an index into `node`, the list at `keys`; `ConfigError` (one line) when it is none or out of
+    range."""
+    if isinstance(key, str) and not key.isdigit():
+        raise ConfigError(f"override {dotted}: {_path_text(keys)} is a list; index it by position, e.g. "
+                          f"{_path_text([*keys, 0])}")
+    index = int(key)
+    if index >= len(node):
+        raise ConfigError(f"override {dotted}: index {index} is out of range: {_path_text(keys)} has "
+                          f"{len(node)} item{'s' if len(node) != 1 else ''}")
+    return index
+
+
+def _section_model(model: Any, keys: list[str | int]) -> type[BaseModel] | None:
+    """The config model of the section at `keys` under `model` (through optional, dict and list fields), or
+    None where the path leaves the schema."""
+    candidates = [model]
+    for key in keys:
+        found = []
+        for leaf in (leaf for candidate in candidates for leaf in _alternatives(candidate)):
+            if isinstance(leaf, type) and issubclass(leaf, BaseModel):
+                field = leaf.model_fields.get(key) if isinstance(key, str) else None
+                found += [field.annotation] if field is not None else []
+            elif get_origin(leaf) is dict and isinstance(key, str):
+                found.append(get_args(leaf)[1])
+            elif get_origin(leaf) is list:
+                found.append(get_args(leaf)[0])
+        candidates = found
+    models = [leaf for candidate in candidates for leaf in _alternatives(candidate)
+              if isinstance(leaf, type) and issubclass(leaf, BaseModel)]
+    return models[0] if models else None
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types a union annotation allows (`X | None` -> `[X, None]`); any other annotation as it is."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [leaf for arg in get_args(annotation) for leaf in _alternatives(arg)]
+    return [annotation]
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, model: type[BaseModel],
+                defaults: dict[str, Any]) -> None:
+    """Set `tree[a][b]... = value` (`a.b[0].c` indexes a list); a section missing from `tree` starts as its
+    default, so `a.b.c=1` changes one key of the default section instead of replacing the section.
+
+    A key that replaces others when set by an override (a section's `override_replaces`, e.g. a dataset's
+    `path` and `task`, of which a config sets exactly one) drops them from the section."""
+    keys = _override_path(dotted)
+    node: Any = tree
+    default: Any = defaults
+    for depth, key in enumerate(keys[:-1]):
+        if isinstance(node, list):
+            key = keys[depth] = _list_index(node, key, keys[:depth], dotted)
+            default = default[key] if isinstance(default, list) and key < len(default) else None
+            child = node[key]
+        elif isinstance(key, int):
+            raise ConfigError(f"override {dotted}: {_path_text(keys[:depth]) or 'the config'} is a section, not "
+                              "a list")
+        else:
+            default = default.get(key) if isinstance(default, dict) else None
+            child = node.get(key)
+            if child is None:
+                child = node[key] = copy.deepcopy(default) if isinstance(default, (dict, list)) else {}
+        if not isinstance(child, (dict, list)):
+            what = repr(key) if isinstance(key, str) else _path_text(keys[:depth + 1])
+            expected = "a list" if isinstance(keys[depth + 1], int) else "a section"
+            raise ConfigError(f"override {dotted}: {what} is a value, not {expected}")
         node = child
-    node[keys[-1]] = value
+    last = keys[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, keys[:-1], dotted)] = value
+        return
+    if isinstance(last, int):
+        raise ConfigError(f"override {dotted}: {_path_text(keys[:-1]) or 'the config'} is a section, not a "
+                          "list")
+    section = _section_model(model, keys[:-1])
+    if value is not None:
+        for replaced in getattr(section, "override_replaces", {}).get(last, ()):
+            node.pop(replaced, None)
+    node[last] = value
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=c` overrides; values are parsed as YAML (`3`, `1e-5`, `true`, `[1, 2]`, `null`).
+
+    A path indexes lists as `reward.functions[0].weight` (or `reward.functions.0.weight`). Setting a
+    dataset's `path` replaces the config's `task` and the other way round (`override_replaces`).
 
     A section missing from `tree` starts from the defaults of the pipeline the run names (a `pipeline=`
     override counts, wherever it stands).
@@ -129,9 +234,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parsed.append((key.strip(), value))
     tree.update({key: value for key, value in parsed if key == "pipeline"})
     if parsed:
-        defaults = config_model(tree.get("pipeline", DEFAULT_PIPELINE)).model_construct().model_dump(mode="json")
+        model = config_model(tree.get("pipeline", DEFAULT_PIPELINE))
+        defaults = model.model_construct().model_dump(mode="json")
     for key, value in parsed:
-        _set_dotted(tree, key, value, defaults)
+        _set_dotted(tree, key, value, model, defaults)
     return tree
 
 

@@ -12,7 +12,7 @@ import re
 import unicodedata
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -72,10 +72,15 @@ class DatasetConfig(Strict):
     """A dataset: a built-in synthetic `task`, or a `path` naming a file, a `datasets` directory or a hub
     dataset (set exactly one); read by `rollflow.data.tables.read_rows`."""
 
+    # An override of one source replaces the other: `data.eval.path=FILE` (what `rollflow eval --data FILE`
+    # sets) over a config whose eval set is a `task` drops the `task`. Within one file both stay an error.
+    override_replaces: ClassVar[dict[str, tuple[str, ...]]] = {"task": ("path", "subset"), "path": ("task",)}
+
     task: str | None = Field(
         default=None,
         description="A built-in synthetic task: `add2` (two-digit addition) or `sum3` (three one-digit "
-                    "numbers). Set this or `path`.")
+                    "numbers). Set this or `path`; an override of either replaces the other (`rollflow eval "
+                    "--data FILE` over a config's eval `task`).")
     split: str = Field(
         default="train",
         description="Which split: of a synthetic `task`, `train` (its training rows) or `eval` (its held-out "

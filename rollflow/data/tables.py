@@ -23,6 +23,7 @@ line of `DataError`.
 from __future__ import annotations
 
 import base64
+import codecs
 import datetime
 import decimal
 import json
@@ -45,6 +46,18 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # a missing path ending like a data file is a missing file, not a hub name
 FILE_LIKE_SUFFIX = re.compile(r"\.(jsonl?|parquet|csv|tsv|txt|arrow|gz|bz2|xz|zst|zip|tar)$", re.IGNORECASE)
 INSTALL_HINT = "pip install 'rollflow[data]'"
+# first bytes -> what a data file that is not JSON text is, for the message that refuses it
+BINARY_SIGNATURES = (
+    (b"\x1f\x8b", "a gzip-compressed file (decompress it: gunzip)"),
+    (b"BZh", "a bzip2-compressed file (decompress it: bunzip2)"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file (decompress it: unxz)"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file (decompress it: unzstd)"),
+    (b"PK\x03\x04", "a zip archive (extract it)"),
+    (b"PAR1", "a parquet file (name it .parquet)"),
+    (b"ARROW1", "an Arrow file"),
+    (b"\x89PNG", "a PNG image"),
+    (b"\x7fELF", "an executable"),
+)
 
 
 def read_rows(path: str, split: str = "train", subset: str | None = None) -> list[Row]:
@@ -89,23 +102,23 @@ def read_rows(path: str, split: str = "train", subset: str | None = None) -> lis
 
 def _read_json_lines(path: Path) -> list[Row]:
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # some editors start UTF-8 text with a BOM
+        text = data.decode("utf-8")
     except OSError as err:
         raise DataError(f"cannot read dataset file {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         line = err.object.count(b"\n", 0, err.start) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x}); a dataset is a "
-                        "JSONL file, one JSON object per line") from None
+        kind = _binary_kind(data)
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x})"
+                        f"{f': it is {kind}' if kind else ''}; a dataset is a JSONL file, one JSON object per "
+                        "line") from None
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         return _read_json_array(path, text)
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        row = _parse_json(line, path, number)
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: each line must be a JSON object")
         rows.append(row)
@@ -113,14 +126,31 @@ def _read_json_lines(path: Path) -> list[Row]:
 
 
 def _read_json_array(path: Path, text: str) -> list[Row]:
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    rows = _parse_json(text, path)
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise DataError(f"{path}: item {number} of the JSON array must be a JSON object")
     return rows
+
+
+def _parse_json(text: str, path: Path, line: int | None = None) -> Any:
+    """`json.loads(text)`, text being line `line` of `path` (None: the whole file); `DataError` (one line,
+    naming the line) for anything `json` refuses, a nesting too deep for it or an integer too long included."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        where, reason = f"{path}:{err.lineno if line is None else line}", err.msg
+    except RecursionError:
+        where, reason = f"{path}:{line}" if line else str(path), "nested too deeply"
+    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        where, reason = f"{path}:{line}" if line else str(path), str(err).split(":")[0]
+    raise DataError(f"{where}: not valid JSON ({reason})")
+
+
+def _binary_kind(data: bytes) -> str | None:
+    """What a file that is not text starts like (`a gzip-compressed file`), by its first bytes; None when
+    it is nothing known."""
+    return next((kind for magic, kind in BINARY_SIGNATURES if data.startswith(magic)), None)
 
 
 def _read_parquet(path: Path) -> list[Row]:
@@ -131,8 +161,21 @@ def _read_parquet(path: Path) -> list[Row]:
     try:
         table = pyarrow.parquet.read_table(path)
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
-        raise DataError(f"{path}: not a readable parquet file ({_first_line(err)})") from None
+        head = _head(path)
+        kind = ("JSON text (name it .jsonl)" if head.lstrip()[:1] in (b"{", b"[")
+                else None if head.startswith(b"PAR1") else _binary_kind(head))  # PAR1: a damaged parquet file
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(err)})"
+                        f"{f'; it is {kind}' if kind else ''}") from None
     return [_plain(row) for row in table.to_pylist()]
+
+
+def _head(path: Path, size: int = 8) -> bytes:
+    """The first `size` bytes of `path` (empty when it cannot be read)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(size)
+    except OSError:
+        return b""
 
 
 def _read_dataset_directory(path: Path, split: str) -> list[Row]:

@@ -25,13 +25,12 @@ dotted path `package.module:factory` to a callable returning an env.
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from rollflow.errors import ConfigError
-from rollflow.registry import Registry
+from rollflow.registry import Registry, import_module
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
@@ -102,7 +101,7 @@ def check_env_id(env_id: str) -> None:
 def _from_dotted_path(env_id: str) -> Callable[..., Env]:
     module_name, _, attribute = env_id.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attribute)
+        factory = getattr(import_module(module_name), attribute)  # the working directory is searched too
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"env {env_id!r}: cannot import {attribute!r} from {module_name!r} ({err})") from None
     if not callable(factory):

@@ -6,8 +6,13 @@ It starts its workers the way every pipeline does (`rollflow.workers.roles.runni
 
 from __future__ import annotations
 
-from rollflow.cluster.runtime import pin_threads
-from rollflow.config import RLVRConfig
+import collections
+from pathlib import Path
+
+from rollflow.cluster.runtime import pinned_threads
+from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
+from rollflow.data.prompts import EncodedPrompt
+from rollflow.data.tables import JSON_SUFFIXES, PARQUET_SUFFIXES
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.pipelines.phases import rollout_scheduler
@@ -18,10 +23,10 @@ from rollflow.workers.reward import model_rewards
 from rollflow.workers.roles import running_roles
 
 
+@pinned_threads(1)
 def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """Greedy accuracy and reward of `config.model` on `config.data.eval` (or every domain's `eval`, each also
     as `eval/NAME/accuracy`); writes eval samples to the run dir."""
-    pin_threads(1)
     data = config.data
     if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
         raise ConfigError("no eval dataset: set data.eval, or a domain's eval (or pass --data FILE.jsonl)")
@@ -29,6 +34,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
     inputs = check_inputs(config, roles, train=False)
     tokenizer, prompts = inputs.tokenizer, inputs.eval_prompts
+    print(describe_eval_set(data, prompts), flush=True)  # before the workers start: what the numbers will be of
     with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
         scheduler = rollout_scheduler(config, groups, tokenizer)
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
@@ -36,3 +42,29 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples))
     return rollout_metrics(samples, prefix="eval")
+
+
+def describe_eval_set(data: DataConfig, prompts: list[EncodedPrompt]) -> str:
+    """One line naming what is evaluated and how many rows: `evaluating 500 rows of add2 (eval split)`, or
+    with `data.domains`, `evaluating 220 rows: 20 of add2 (eval split) [domain add2], 200 of ...`."""
+    if data.domains is None:
+        return f"evaluating {len(prompts)} rows of {_dataset_name(data.eval, 'data.eval')}"
+    counts = collections.Counter(prompt.row.get("domain") for prompt in prompts)
+    parts = [f"{counts[name]} of {_dataset_name(domain.eval, f'data.domains.{name}.eval')} [domain {name}]"
+             for name, domain in data.domains.items() if domain.eval is not None]
+    return f"evaluating {len(prompts)} rows: {', '.join(parts)}"
+
+
+def _dataset_name(dataset: DatasetConfig, key: str) -> str:
+    """`add2 (eval split)`, `my.jsonl`, `owner/name (test split)`, and the limit when there is one:
+    `add2 (eval split; data.eval.limit=200)`."""
+    details = [] if dataset.path is not None and _single_file(dataset.path) else [f"{dataset.split} split"]
+    if dataset.limit is not None:
+        details.append(f"{key}.limit={dataset.limit}")
+    name = dataset.task if dataset.task is not None else dataset.path
+    return f"{name} ({'; '.join(details)})" if details else name
+
+
+def _single_file(path: str) -> bool:
+    """A JSONL or parquet file, which has no splits (`rollflow.data.tables.read_rows` ignores `split`)."""
+    return Path(path).suffix.lower() in (*JSON_SUFFIXES, *PARQUET_SUFFIXES)

@@ -14,13 +14,22 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import yaml
+
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RunConfigBase, dump_config
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, RollflowError
 from rollflow.trackers.durable_files import disk_full_as_error, truncate_records, write_atomically
 
 DRIVER_STATE = "driver_state.json"
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # JSONL with a `step` per record, cut back on resume
+
+
+class RunFinished(RollflowError):
+    """`resume: true` over a run whose newest checkpoint is already at (or past) `train.steps`: nothing to do.
+    Raised before Ray starts; the CLI prints the message and exits with status 0."""
+
+    exit_code = 0
 
 
 class PreparedRunDir(NamedTuple):
@@ -29,7 +38,8 @@ class PreparedRunDir(NamedTuple):
     Attributes:
         resume_from: the checkpoint to resume from (`checkpoints/step_N`), or None for a fresh run.
         resumed_at: its step (N), or None.
-        note: one line for the console when an earlier run's directory was moved aside, else None.
+        note: one line for the console when an earlier run's directory was moved aside, or when a resumed
+            run's changed `train.steps` stretches its cosine learning-rate schedule; else None.
     """
 
     resume_from: Path | None
@@ -46,7 +56,8 @@ def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
     torn last line, so no step appears twice.
 
     Raises:
-        ConfigError: `resume: true` without a complete checkpoint, or with one at or past `train.steps`.
+        ConfigError: `resume: true` without a complete checkpoint.
+        RunFinished: `resume: true` with the newest checkpoint at or past `train.steps` (nothing to do).
         DiskFullError: the disk filled up writing the directory.
     """
     run_dir = config.run_dir
@@ -58,8 +69,9 @@ def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
                               f"{DRIVER_STATE}); set resume=false to start a new run")
         resumed_at = int(read_driver_state(resume_from)["step"])
         if resumed_at >= config.train.steps:
-            raise ConfigError(f"resume=true but {run_dir} already reached step {resumed_at} "
-                              f"(train.steps={config.train.steps}); raise train.steps to train further")
+            raise RunFinished(f"{run_dir} already finished at step {resumed_at} (train.steps="
+                              f"{config.train.steps}); raise train.steps to continue")
+        note = _schedule_note(run_dir / "config.yaml", config)
         for log in STEP_LOGS:
             truncate_records(run_dir / log, resumed_at)
     elif run_dir.is_dir() and any(run_dir.iterdir()):
@@ -116,6 +128,21 @@ def write_placement(path: Path, groups: WorkerGroups) -> None:
                         for p, node in zip(group.placements, group.nodes())]
                  for role, group in groups.items()}
     write_atomically(path, json.dumps(placement, indent=1))
+
+
+def _schedule_note(previous_config: Path, config: RunConfigBase) -> str | None:
+    """One line when a resumed run changes `train.steps` under a cosine schedule: the trainer continues the
+    schedule at its step, stretched to the new total (`rollflow.backends.base.load_scheduler_state`). None
+    otherwise, or when the previous run's `config.yaml` cannot be read."""
+    train = config.train
+    try:
+        previous = yaml.safe_load(previous_config.read_text())["train"]["steps"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError):
+        return None
+    if train.lr_schedule != "cosine" or not isinstance(previous, int) or previous == train.steps:
+        return None
+    return (f"train.steps {previous} -> {train.steps}: the cosine learning-rate schedule is stretched to the new "
+            f"total (each step's learning rate is what a run with train.steps={train.steps} has there)")
 
 
 def _checkpoint_step(path: Path) -> int | None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollflow.errors import RollflowError
-from rollflow.registry import Registry, import_object
+from rollflow.registry import Registry, import_module, import_object
 
 RewardFn = Callable[..., "float | dict[str, float]"]
 Row = dict[str, Any]
@@ -156,9 +156,11 @@ def _import_path(spec: str) -> Callable[..., Any]:
     if not module_name or not attr_path:
         raise RewardLoadError(f"reward spec {spec!r} is not a path of the form 'pkg.module:function'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = import_module(module_name)  # the working directory too, as under `python -m`
     except Exception as error:  # any import-time failure is the user's module's problem; say which one
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        if isinstance(error, ModuleNotFoundError) and error.name == module_name.split(".")[0]:
+            reason += f"; looked on sys.path and in the working directory {os.getcwd()}"
         raise RewardLoadError(f"reward {spec!r}: cannot import module {module_name!r} ({reason})") from error
     for part in attr_path.split("."):
         if not hasattr(obj, part):

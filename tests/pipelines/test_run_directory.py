@@ -6,6 +6,7 @@ from rollflow.config import load_config
 from rollflow.errors import ConfigError
 from rollflow.pipelines.run_directory import (
     DRIVER_STATE,
+    RunFinished,
     latest_checkpoint,
     prepare_run_dir,
     read_driver_state,
@@ -66,8 +67,10 @@ def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path):
 
 def test_resume_past_the_last_step_says_to_raise_train_steps(tmp_path):
     _checkpoint(tmp_path / "run", 4)
-    with pytest.raises(ConfigError, match=r"already reached step 4 \(train.steps=4\); raise train.steps"):
+    with pytest.raises(RunFinished, match=r"already finished at step 4 \(train.steps=4\); raise train.steps "
+                                          r"to continue") as raised:
         prepare_run_dir(_config(tmp_path, "resume=true"))
+    assert raised.value.exit_code == 0  # nothing to do is not a failure
 
 
 def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path):
