@@ -499,10 +499,29 @@ class OutputConfig(Strict):
         default=True,
         description="On Ctrl-C (SIGINT) or SIGTERM, save a checkpoint of the last finished step before "
                     "exiting, so `resume: true` continues from it.")
-    trackers: list[Literal["console", "jsonl", "tensorboard"]] = Field(
+    trackers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default=["console", "jsonl", "tensorboard"],
-        description="Where metrics go: `console` (one line per step), `jsonl` (`metrics.jsonl`), "
-                    "`tensorboard` (TensorBoard events).")
+        description="Where metrics go: `console` (one line per step, with the time left), `jsonl` "
+                    "(`metrics.jsonl`), `tensorboard` (TensorBoard events), `wandb` (a Weights & Biases run "
+                    "named after the run, with the resolved config; resumed with the run; online or offline "
+                    "as W&B's environment says, e.g. `WANDB_MODE=offline`; needs `pip install "
+                    "\"rollflow[wandb]\"`). What each metric means: [metrics.md](metrics.md).")
+    wandb_project: str = Field(
+        default="rollflow", min_length=1, description="The Weights & Biases project a `wandb` tracker logs to.")
+
+    @field_validator("trackers")
+    @classmethod
+    def _wandb_installed(cls, trackers: list[str]) -> list[str]:
+        """Refuse `wandb` without the package at load time, before any worker starts."""
+        import importlib.util
+
+        from rollflow.errors import ConfigError
+
+        if "wandb" in trackers and importlib.util.find_spec("wandb") is None:
+            # ConfigError, not ValueError: pydantic passes it through, so the message stays this one line
+            raise ConfigError('output.trackers has wandb but the wandb package is not installed: '
+                              'pip install "rollflow[wandb]"')
+        return trackers
 
 
 class RunConfigBase(Strict):

@@ -1,4 +1,5 @@
-"""Where metrics go: console progress line, metrics.jsonl, TensorBoard; and the learning-curve plot."""
+"""Where metrics go: console progress line, metrics.jsonl, TensorBoard, Weights & Biases; what each metric
+means (`metric_names`, docs/metrics.md); and the learning-curve plot."""
 
 from rollflow.trackers.trackers import MetricsTracker
 

@@ -1,8 +1,12 @@
-"""`MetricsTracker` fans one metrics dict per step out to the console, `metrics.jsonl` and TensorBoard."""
+"""`MetricsTracker` fans one metrics dict per step out to the console, `metrics.jsonl`, TensorBoard and
+Weights & Biases. What each metric means: docs/metrics.md (`rollflow.trackers.metric_names`)."""
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +26,32 @@ CONSOLE_COLUMNS = {
 }
 
 
+TB_FLUSH_S = 10  # how stale TensorBoard's files may be while a run runs
+
+
 class MetricsTracker:
     """Log metrics per step.
 
     Args:
-        run_dir: the run directory (`metrics.jsonl`, `tensorboard/` go there).
-        trackers: any of "console", "jsonl", "tensorboard".
-        total_steps: for the console's "step i/N".
+        run_dir: the run directory (`metrics.jsonl`, `tensorboard/`, `wandb/` and `wandb_id` go there; W&B
+            also reads the run's `config.yaml`, see `WandbRun`).
+        trackers: any of "console", "jsonl", "tensorboard", "wandb".
+        total_steps: for the console's "step i/N" and its ETA.
         resumed_at: the checkpoint step a resumed run continues from: TensorBoard hides the events of later
             steps the interrupted run had written (they run again). `metrics.jsonl` was already cut back by
             `prepare_run_dir`.
+        clock: monotonic seconds, which time the steps for the ETA (tests pass a fake one).
 
     Raises:
         DiskFullError: (from `log`) the disk filled up writing `metrics.jsonl`.
     """
 
-    def __init__(self, run_dir: Path, trackers: list[str], total_steps: int, resumed_at: int | None = None):
+    def __init__(self, run_dir: Path, trackers: list[str], total_steps: int, resumed_at: int | None = None, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
-        self.console = Console(highlight=False)
+        # soft_wrap: a line stays one line in a file or a pipe (rich would wrap it at 80 columns there)
+        self.console = Console(highlight=False, soft_wrap=True)
         self.step_lines = "console" in trackers  # one line per step; run messages always print
         self.jsonl = self.run_dir / "metrics.jsonl" if "jsonl" in trackers else None
         if self.jsonl:
@@ -50,9 +61,26 @@ class MetricsTracker:
             from torch.utils.tensorboard import SummaryWriter
 
             purge_step = None if resumed_at is None else resumed_at + 1
-            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+            # its own writer thread flushes every TB_FLUSH_S (and `close` at the end): flushing every step cost a
+            # small run ~5% of its step time
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step,
+                                             flush_secs=TB_FLUSH_S)
+        self.wandb = None
+        if "wandb" in trackers:
+            from rollflow.trackers.wandb_run import WandbRun
+
+            self.wandb = WandbRun.start(self.run_dir)
+        self.step_timer = StepTimer(clock)  # after the trackers start: W&B's start-up is not a step's time
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write step `step`'s numeric metrics (other values are left out) to every tracker.
+
+        Args:
+            step: 0 for the eval before training, then 1 .. total_steps; each call after a step's work ends
+                that step's time for the ETA.
+            metrics: metric name -> value (names: docs/metrics.md).
+        """
+        self.step_timer.lap(step)
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         if self.jsonl:
             append_records(self.jsonl, [{"step": step, **clean}])  # one write: never half a record
@@ -60,18 +88,69 @@ class MetricsTracker:
             for key, value in clean.items():
                 if math.isfinite(value):
                     self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(step, {key: value for key, value in clean.items() if math.isfinite(value)})
         if self.step_lines:
             parts = [f"[bold]step {step}/{self.total_steps}[/bold]"]
             for key, label in CONSOLE_COLUMNS.items():
                 if key in clean:
                     value = clean[key]
                     parts.append(f"{label} {value:.0f}" if abs(value) >= 100 else f"{label} {value:.3g}")
+            eta = self.step_timer.eta(self.total_steps - step)
+            if eta is not None:
+                parts.append(f"eta {format_duration(eta)}")
             self.console.print("  ".join(parts))
 
     def print(self, message: str) -> None:
         self.console.print(message)
 
     def close(self) -> None:
+        """Flush and close the trackers (the W&B run finishes); a second call does nothing."""
         if self.tensorboard:
             self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None
+
+
+class StepTimer:
+    """Wall time of the steps this process ran, for the ETA. A step's time runs from the previous `lap` (the
+    previous step's log, or the tracker's start) to its own, so it includes the step's eval, checkpoint and
+    logging; step 0 (the eval before training) is not a step and is not counted.
+
+    Args:
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.last = clock()
+        self.seconds: list[float] = []  # of the steps this process ran, in order
+
+    def lap(self, step: int) -> None:
+        """Step `step` is done now."""
+        now = self.clock()
+        if step > 0:
+            self.seconds.append(now - self.last)
+        self.last = now
+
+    def eta(self, steps_left: int) -> float | None:
+        """Seconds the `steps_left` steps will take at the mean step time so far; None before the first step.
+
+        The process's first step includes warm-up (engines and trainer compiling, caches filling, a resumed
+        run's checkpoint loading), so it is left out of the mean once there is a second one.
+        """
+        if not self.seconds:
+            return None
+        steady = self.seconds[1:] or self.seconds
+        return statistics.fmean(steady) * max(steps_left, 0)
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `1m12s`, `2h05m`: whole seconds under an hour, whole minutes past it."""
+    total = round(seconds)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
