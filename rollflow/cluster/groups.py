@@ -26,9 +26,11 @@ from rollflow.cluster import calls
 from rollflow.cluster.placement import PlacementPlan, WorkerPlacement
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError, RollflowError
+from rollflow.spans import traced
 
 START_TIMEOUT_S = 1800.0  # a worker that has not built its model by then is stuck (big models load for minutes)
 CLOSE_TIMEOUT_S = 30.0  # how long shutdown waits for a worker's close() before killing it anyway
+SPANS_TIMEOUT_S = 10.0  # how long the end of a run waits for a worker's timeline spans
 
 
 class WorkerStartError(RollflowError):
@@ -107,6 +109,17 @@ class WorkerGroup:
         except ray.exceptions.RayError as error:
             raise WorkerStartError(f"{self.role}: a worker failed to start: {root_cause(error)}") from None
 
+    def gather_spans(self, timeout_s: float = SPANS_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Every worker's recorded spans (`rollflow.spans`); a worker that is dead or does not answer
+        within `timeout_s` contributes none."""
+        gathered = []
+        for handle in self.handles:
+            try:
+                gathered += ray.get(handle.pop_spans.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayError, AttributeError):
+                continue
+        return gathered
+
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Ask every worker to `close()` (engines and backends release what they hold), then kill them."""
         try:
@@ -132,7 +145,8 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
         *args: the rest of each worker's constructor arguments.
         timeout_s: the group's bound on waiting for a result (`cluster.watchdog_s`).
     """
-    remote_class = ray.remote(worker_cls)  # once per group, not per worker
+    # once per group, not per worker; each call of a worker method is a span of the run's timeline
+    remote_class = ray.remote(traced(worker_cls, lambda placement, *_: f"{role} {placement.index}"))
     handles = [remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
                for placement in placements]
     return WorkerGroup(role, handles, placements, timeout_s)
@@ -164,6 +178,10 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
         """Wait for every group's workers (all constructors run concurrently); the first failure raises."""
         for group in self.groups.values():
             group.wait_ready()
+
+    def gather_spans(self) -> list[dict[str, Any]]:
+        """Every worker's timeline spans, all roles (see `WorkerGroup.gather_spans`)."""
+        return [span for group in self.groups.values() for span in group.gather_spans()]
 
     def shutdown(self) -> None:
         """Close and kill every worker, then release the placement group (the Ray session may outlive the

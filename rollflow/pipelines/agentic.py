@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from rollflow.cluster.colocation import ColocationManager
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.runtime import pinned_threads
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus, collate
@@ -29,9 +29,11 @@ from rollflow.pipelines.run_directory import (
 from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import episode_samples
+from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
+from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.roles import running_roles
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -52,6 +54,7 @@ def agentic_roles(config: AgenticConfig) -> list[str]:
     return roles
 
 
+@pinned_threads(1)
 def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, float]:
     """Train a policy in an environment with multi-turn RL. Returns the final metrics (with the initial and
     final `eval/success`).
@@ -60,8 +63,7 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
         config: the run config.
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
-    pin_threads(1)
-    model = config.model
+    model, began = config.model, time.time()
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     encoder = TurnEncoder(tokenizer, config.env.system_prompt)
     settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))
@@ -74,7 +76,8 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
     roles = agentic_roles(config)
 
     with StopSignals() as stop, running_roles(config, roles, {"actor_train": ("policy_gradient",)},
-                                              manage_ray) as groups:
+                                              manage_ray) as groups, \
+            timeline_written(config.run_dir, began, groups.gather_spans):
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -99,9 +102,10 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 tracker.print(f"initial eval success {initial_eval.get('eval/success', float('nan')):.3f}")
             metrics: dict[str, float] = {}
             for step in range(first_step + 1, config.train.steps + 1):
-                started = time.perf_counter()
+                started, step_began = time.perf_counter(), time.time()
                 colocation.enter("rollout")
-                result = envs.next_batch(step, version)
+                with span("rollout"):
+                    result = envs.next_batch(step, version)
                 episodes = [e for group in result.groups for e in group.episodes]
                 metrics = {**result.metrics, **episode_metrics(episodes, "rollout")}
                 with stop.critical():
@@ -109,7 +113,8 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                                               rollout.samples)
                     if samples:
                         batch = collate(samples, tokenizer.pad_token_id)
-                        metrics.update(advantages(batch, samples, episodes))
+                        with span("advantages"):
+                            metrics.update(advantages(batch, samples, episodes))
                         metrics.update(train_on(batch, groups, colocation, config))
                         metrics.update(sync_weights(groups, colocation, *sync_args))
                         version = int(metrics["sync/version"])
@@ -125,7 +130,9 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                     state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
                     if step == config.train.steps or config.output.save_every_steps and \
                             step % config.output.save_every_steps == 0:
-                        save_checkpoint(config.run_dir, groups, state)
+                        with span("checkpoint"):
+                            save_checkpoint(config.run_dir, groups, state)
+                    record(STEP_SPAN, step_began, time.time(), step=step)
         except KeyboardInterrupt:
             tracker.print("interrupted: resume=true continues from the newest checkpoint")
             tracker.close()
@@ -165,7 +172,8 @@ def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig
     if config.algorithm.needs_reference:
         batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation, config.roles.reference.backend)
     colocation.enter("actor_train")
-    return actor.call("train", batch)
+    with span("actor_train"):
+        return actor.call("train", batch)
 
 
 def readable(samples: list, tokenizer) -> list:
@@ -182,7 +190,8 @@ def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int],
     if not seeds:
         return {}
     colocation.enter("rollout")
-    episodes = envs.evaluate(seeds, greedy)
+    with span("eval"):
+        episodes = envs.evaluate(seeds, greedy)
     failed = sum(episode.status == SampleStatus.FAILED for episode in episodes)
     return {**episode_metrics(episodes, "eval"), "eval/episodes_failed": float(failed)}
 

@@ -17,6 +17,7 @@ from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.rollout.stream import RolloutStream, Sampler, StreamSettings
+from rollflow.spans import span
 from rollflow.workers.reward import build_reward_fn
 from rollflow.workers.roles import forward_rows
 
@@ -84,12 +85,15 @@ def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_byt
         sync/ metrics. Raises `WeightSyncError` when an engine worker receives corrupted weights.
     """
     colocation.enter("weight_sync")
-    started = time.perf_counter()
-    trainer, engines = groups["actor_train"], groups["actor_infer"]
-    manifest = trainer.call("weights_for_sync", bucket_bytes, checksum, corrupt)
-    sending = trainer.handles[0].send_weights.remote()  # broadcast transport only
-    loaded = engines.get(engines.call_async("update_weights", manifest), "update_weights")
-    trainer.get([sending], "send_weights")
+    with span("weight_sync"):
+        started = time.perf_counter()
+        trainer, engines = groups["actor_train"], groups["actor_infer"]
+        manifest = trainer.call("weights_for_sync", bucket_bytes, checksum, corrupt)
+        # broadcast transport: the trainer sends while the engines receive (the object store needs no call)
+        sending = trainer.handles[0].send_weights.remote() if manifest.transport == "broadcast" else None
+        loaded = engines.get(engines.call_async("update_weights", manifest), "update_weights")
+        if sending is not None:
+            trainer.get([sending], "send_weights")
     return {"sync/seconds": time.perf_counter() - started, "sync/bytes": manifest.nbytes,
             "sync/buckets": manifest.num_buckets, "sync/version": manifest.version,
             "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
@@ -101,6 +105,7 @@ def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts
     if not prompts:
         return {}
     colocation.enter("rollout")
-    samples = scheduler.generate(prompts, greedy, seed_key=("eval", step)).samples
+    with span("eval"):
+        samples = scheduler.generate(prompts, greedy, seed_key=("eval", step)).samples
     check_some_succeeded(samples, f"eval at step {step}")
     return rollout_metrics(samples, prefix="eval")

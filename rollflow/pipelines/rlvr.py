@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.runtime import pinned_threads
 from rollflow.config import RLVRConfig
 from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
@@ -34,9 +34,11 @@ from rollflow.pipelines.run_directory import (
 from rollflow.rollout.filters import check_some_succeeded, usable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.stream import RolloutStream
+from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
+from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.advantages import AdvantageStage
 from rollflow.workers.parity import check_logprob_parity, parity_probe
 from rollflow.workers.reward import model_rewards
@@ -67,6 +69,7 @@ def rlvr_roles(config: RLVRConfig) -> list[str]:
     return roles
 
 
+@pinned_threads(1)  # the driver only routes and scores; workers do the heavy lifting
 def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """Train with RL on verifiable rewards. Returns the final metrics (incl. initial/final eval accuracy).
 
@@ -75,16 +78,17 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
         manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
             Ray session and leaves it up (tests run many short runs in one session).
     """
-    pin_threads(1)  # the driver only routes and scores; workers do the heavy lifting
-    rollout, output = config.rollout, config.output
-    inputs = check_inputs(config, rlvr_roles(config))  # every prompt encoded and checked before any worker
+    rollout, output, began = config.rollout, config.output, time.time()
+    with span("check inputs"):
+        inputs = check_inputs(config, rlvr_roles(config))  # every prompt encoded and checked before any worker
     for warning in inputs.warnings:
         print(f"rollflow: warning: {warning}", file=sys.stderr)
     tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
     role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
     prepared = prepare_run_dir(config)  # before Ray starts: a resume with nothing to resume fails at once
 
-    with StopSignals() as stop, running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups:
+    with StopSignals() as stop, running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups, \
+            timeline_written(config.run_dir, began, groups.gather_spans):
         tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -115,9 +119,10 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
         saved_step = first_step
         try:
             for step in range(first_step + 1, config.train.steps + 1):
-                started = time.perf_counter()
+                started, step_began = time.perf_counter(), time.time()
                 colocation.enter("rollout")
-                result = stream.next_batch(step, version)  # asynchronous: generated while the last step trained
+                with span("rollout"):
+                    result = stream.next_batch(step, version)  # asynchronous: generated while the last step trained
                 check_some_succeeded(result.samples, f"step {step}")
                 metrics = {**result.metrics, **rollout_metrics(result.samples)}
                 if step == first_step + 1 and config.checks.logprob_parity_samples:
@@ -138,13 +143,16 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                     if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
                         metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy, step))
                     metrics["time/step"] = time.perf_counter() - started
-                    tracker.log(step, metrics)
-                    write_samples(config.run_dir / "samples.jsonl", step, result.samples,
-                                  output.samples_logged_per_step)
+                    with span("log"):
+                        tracker.log(step, metrics)
+                        write_samples(config.run_dir / "samples.jsonl", step, result.samples,
+                                      output.samples_logged_per_step)
                     finished = driver_state(step, stream, advantages, initial_eval)
                     if step == config.train.steps or output.save_every_steps and step % output.save_every_steps == 0:
-                        save_checkpoint(config.run_dir, groups, finished)
+                        with span("checkpoint"):
+                            save_checkpoint(config.run_dir, groups, finished)
                         saved_step = step
+                    record(STEP_SPAN, step_began, time.time(), step=step)
         except KeyboardInterrupt:  # a stop signal: `Interrupted`, or what ray.get makes of it
             if output.save_on_interrupt and finished["step"] > saved_step:
                 tracker.print(f"interrupted: saving step {finished['step']} (interrupt again to skip it)")
@@ -171,20 +179,27 @@ def train_on(batch, step: int, groups: WorkerGroups, colocation: ColocationManag
     """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
     algorithm, actor = config.algorithm, groups["actor_train"]
     if algorithm.needs_reference:
-        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation, config.roles.reference.backend)
+        with span("reference"):
+            batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
+                                                              config.roles.reference.backend)
     if advantages.needs_policy_logprobs:
         colocation.enter("old_logprobs")
-        batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
+        with span("old_logprobs"):
+            batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
     if "critic" in groups:
         colocation.enter("values")
-        batch.extras["values"] = groups["critic"].call("compute_values", batch)
-    metrics = advantages(batch)
+        with span("values"):
+            batch.extras["values"] = groups["critic"].call("compute_values", batch)
+    with span("advantages"):
+        metrics = advantages(batch)
     if "critic" in groups:
         colocation.enter("critic_train")
-        metrics.update(groups["critic"].call("train", batch))
+        with span("critic_train"):
+            metrics.update(groups["critic"].call("train", batch))
     if step > config.train.critic_warmup_steps:
         colocation.enter("actor_train")
-        metrics.update(actor.call("train", batch))
+        with span("actor_train"):
+            metrics.update(actor.call("train", batch))
     return metrics
 
 

@@ -20,7 +20,7 @@ from rollflow.algorithms.preference import preference_metrics, sequence_logprob_
 from rollflow.backends.base import unpack_top_k
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
-from rollflow.cluster.runtime import pin_threads
+from rollflow.cluster.runtime import pinned_threads
 from rollflow.data.sample import Batch, Sample, collate
 from rollflow.data.supervised import shuffled_batches
 from rollflow.engines.base import SamplingParams
@@ -33,8 +33,10 @@ from rollflow.pipelines.run_directory import (
     write_placement,
 )
 from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
+from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
+from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.objectives import pair_logratios
 from rollflow.workers.roles import forward_rows, running_roles
 
@@ -60,6 +62,7 @@ def supervised_roles(config) -> list[str]:
     return roles
 
 
+@pinned_threads(1)
 def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
     """Run an SFT, DPO or distillation config. Returns the final metrics (with `initial_eval/...`).
 
@@ -67,16 +70,17 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
-    pin_threads(1)
-    roles = supervised_roles(config)
-    inputs = check_supervised_inputs(config, roles)
+    roles, began = supervised_roles(config), time.time()
+    with span("check inputs"):
+        inputs = check_supervised_inputs(config, roles)
     for warning in inputs.warnings:
         print(f"rollflow: warning: {warning}", file=sys.stderr)
     config = with_resolved_steps(config, len(inputs.train))
     pad = inputs.tokenizer.pad_token_id
     prepared = prepare_run_dir(config)
     role_args = {"actor_train": (OBJECTIVES[config.pipeline],)}
-    with StopSignals() as stop, running_roles(config, roles, role_args, manage_ray) as groups:
+    with StopSignals() as stop, running_roles(config, roles, role_args, manage_ray) as groups, \
+            timeline_written(config.run_dir, began, groups.gather_spans):
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -105,11 +109,13 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         saved_step = first_step
         try:
             for step in range(first_step + 1, config.train.steps + 1):
-                started = time.perf_counter()
-                batch = training_batch(next(batches), config, groups, colocation, pad)
+                started, step_began = time.perf_counter(), time.time()
+                with span("batch"):
+                    batch = training_batch(next(batches), config, groups, colocation, pad)
                 with stop.critical():
                     colocation.enter("train")
-                    metrics = groups["actor_train"].call("train", batch)
+                    with span("train"):
+                        metrics = groups["actor_train"].call("train", batch)
                     metrics.update(colocation.pop_metrics())
                     last = step == config.train.steps
                     if last or config.eval.every_steps and step % config.eval.every_steps == 0:
@@ -119,8 +125,10 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
                     tracker.log(step, metrics)
                     finished = {"step": step, "initial_eval": initial_eval}
                     if last or config.output.save_every_steps and step % config.output.save_every_steps == 0:
-                        save_checkpoint(config.run_dir, groups, finished)
+                        with span("checkpoint"):
+                            save_checkpoint(config.run_dir, groups, finished)
                         saved_step = step
+                    record(STEP_SPAN, step_began, time.time(), step=step)
                 if last:
                     break
         except KeyboardInterrupt:

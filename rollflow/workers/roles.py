@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from rollflow.config import RoleConfig, RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError
 from rollflow.registry import Registry, import_object
+from rollflow.spans import span
 
 # role -> "module:Class" of its worker; the module is imported when the role starts.
 ROLE_WORKERS: Registry[str] = Registry("role")
@@ -126,23 +128,46 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
 @contextlib.contextmanager
 def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mapping[str, tuple[Any, ...]] | None = None,
                   manage_ray: bool = True) -> Iterator[WorkerGroups]:
-    """Start Ray (if managed) and `roles`; on the way out, normal or not, stop them all.
+    """Start Ray (if managed) and `roles`; on the way out, normal or not, stop them all. Says on stdout what
+    it starts, and when it is ready.
 
     Args:
         manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
             Ray session and leaves it up (tests run many short runs in one session).
     """
     if manage_ray:
-        start_ray(config.cluster.address, config.cluster.num_cpus)
+        where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
+        _say(f"{where} ...")
+        with span("start ray"):
+            start_ray(config.cluster.address, config.cluster.num_cpus)
     groups = None
     try:
-        groups = start_roles(config, roles, role_args)
+        started = time.perf_counter()
+        _say(f"starting workers: {describe_roles(config, roles)} ...")
+        with span("start workers"):
+            groups = start_roles(config, roles, role_args)
+        _say(f"workers ready in {time.perf_counter() - started:.1f} s")
         yield groups
     finally:
         if groups is not None:
             groups.shutdown()
         if manage_ray:
             stop_ray()
+
+
+def describe_roles(config: RunConfigBase, roles: Sequence[str]) -> str:
+    """`actor_train x1 (torch), actor_infer x1 (hf), ...`: each role, its worker count and what it runs."""
+    parts = []
+    for role in roles:
+        spec = config.roles.of(role)
+        what = spec.backend if role in TRAINER_ROLES else spec.engine if role == "actor_infer" else None
+        parts.append(f"{role} x{spec.num_workers}" + (f" ({what})" if what else ""))
+    return ", ".join(parts)
+
+
+def _say(message: str) -> None:
+    """A start-up line on stdout, at once (a long silence at start-up looks like a hang)."""
+    print(message, flush=True)
 
 
 def _init_backends(trainers: list[WorkerGroup]) -> None:

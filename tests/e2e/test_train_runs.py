@@ -63,6 +63,7 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert AutoTokenizer.from_pretrained(model_dir).chat_template
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "reward", "answer"} <= set(samples[0])
+    _check_timeline(run_dir)
 
     # Resume: continues at step 3 from the step-2 checkpoint (model, optimizer, data position).
     result = _train("examples/quickstart.yaml", *FAST, "train.steps=4", "name=quick", f"output.dir={tmp_path}",
@@ -73,6 +74,30 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert state["step"] == 4 and state["stream"]["sampler"]["position"] == 16  # 4 steps x 4 prompts
     assert state["stream"]["pending"] == []  # a synchronous step leaves nothing in flight
     assert _changed_tensors(model_dir, run_dir / "checkpoints" / "step_4" / "model") > 0
+
+
+def _check_timeline(run_dir: Path) -> None:
+    """timeline.json has a lane per worker of placement.json, with each phase a step runs there, and every
+    worker span of a step inside that step's driver span; timeline.png exists."""
+    events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    names: dict[str, set] = {}
+    for e in events:
+        if e["ph"] == "X":
+            names.setdefault(lanes[e["pid"]], set()).add(e["name"])
+    placement = json.loads((run_dir / "placement.json").read_text())
+    workers = {f"{role} {w['worker']}" for role, ws in placement.items() for w in ws}
+    assert set(names) == workers | {"driver"}, names
+    assert {"check inputs", "start ray", "start workers", "eval", "step", "rollout", "actor_train", "weight_sync",
+            "log", "checkpoint"} <= names["driver"]
+    assert {"start", "init_backend", "compute_logprobs", "train", "weights_for_sync", "save"} <= names["actor_train 0"]
+    assert {"start", "generate_batch", "update_weights", "offload", "onload"} <= names["actor_infer 0"]
+    steps = [e for e in events if e["name"] == "step"]
+    trains = [e for e in events if e["name"] == "train"]
+    assert len(steps) == len(trains) == 2
+    for step, train in zip(sorted(steps, key=lambda e: e["ts"]), sorted(trains, key=lambda e: e["ts"])):
+        assert step["ts"] <= train["ts"] and train["ts"] + train["dur"] <= step["ts"] + step["dur"]
+    assert (run_dir / "timeline.png").stat().st_size > 1000
 
 
 def test_user_model_dataset_and_dotted_path_reward(tmp_path):
