@@ -138,6 +138,22 @@ def load_model_config(path: str, trust_remote_code: bool = False):
         raise ModelLoadError(f"cannot read the model config of {path!r}: {_first_line(err)}") from None
 
 
+def preload_model_code(path: str, trust_remote_code: bool = False) -> None:
+    """Import the modeling code of the model at `path` now, without building it.
+
+    transformers' modeling imports take seconds of CPU on a small machine. A trainer worker builds its model
+    only after its ranks have met (`init_backend`); calling this in its constructor moves the imports to where
+    every worker's constructor runs concurrently. Best effort: a failure here is left for the real load to
+    report.
+    """
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(load_model_config(path, trust_remote_code))]
+    except Exception:  # noqa: BLE001 - remote code, unknown architectures, ...: the load says what is wrong
+        pass
+
+
 def _quiet_transformers() -> None:
     """No per-load progress bars or advisory warnings in worker logs."""
     from transformers.utils import logging as hf_logging

@@ -52,29 +52,46 @@ class ColocationManager:
     phases: dict[str, tuple[str, ...]]
     resident: dict[str, bool] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    in_flight: list = field(default_factory=list)  # (action, role, result refs) of moves not yet waited for
 
     def __post_init__(self):
         self.resident = {role: True for role in self.groups}
 
     def enter(self, phase: str) -> None:
-        """Offload / onload what `phase` needs, all workers of a role in parallel."""
+        """Offload / onload what `phase` needs, all workers of a role in parallel.
+
+        On GPUs the offloads finish before any onload starts (the memory must be free first) and both before
+        the phase runs. On CPU nothing moves: the calls go out at once and are not waited for here (a worker
+        runs its calls in the order they were sent, so it is onloaded before the phase's own call runs);
+        their results are collected at the next `enter` or `pop_metrics`, and a failure raises there.
+        """
+        self._collect()
         offload, onload = transitions(self.plan, self.resident, self.phases[phase])
         started = time.perf_counter()
-        for action, roles in (("offload", offload), ("onload", onload)):
-            if not roles:
-                continue
-            refs = {role: self.groups[role].call_async(action) for role in roles}
-            for role, results in ((role, self.groups[role].get(r, action)) for role, r in refs.items()):
-                self.resident[role] = action == "onload"
-                self.metrics[f"{action}/{role}_seconds"] = self.metrics.get(f"{action}/{role}_seconds", 0.0) \
-                    + max(r["seconds"] for r in results)
-                self.metrics[f"memory/{role}_rss_mb_after_{action}"] = sum(r["rss_bytes"] for r in results) / 2**20
-                self.metrics[f"memory/{role}_device_mb_after_{action}"] = \
-                    sum(r["device_bytes"] for r in results) / 2**20
+        waves = [[("offload", offload), ("onload", onload)]] if self.plan.device == "cpu" else \
+            [[("offload", offload)], [("onload", onload)]]
+        for wave in waves:
+            for action, roles in wave:
+                for role in roles:
+                    self.in_flight.append((action, role, self.groups[role].call_async(action)))
+                    self.resident[role] = action == "onload"
+            if self.plan.device != "cpu":
+                self._collect()
         if offload or onload:
             self.metrics[f"time/{phase}_offload_onload"] = time.perf_counter() - started
 
+    def _collect(self) -> None:
+        """Wait for the moves sent so far and record what each cost."""
+        in_flight, self.in_flight = self.in_flight, []
+        for action, role, refs in in_flight:
+            results = self.groups[role].get(refs, action)
+            self.metrics[f"{action}/{role}_seconds"] = self.metrics.get(f"{action}/{role}_seconds", 0.0) \
+                + max(r["seconds"] for r in results)
+            self.metrics[f"memory/{role}_rss_mb_after_{action}"] = sum(r["rss_bytes"] for r in results) / 2**20
+            self.metrics[f"memory/{role}_device_mb_after_{action}"] = sum(r["device_bytes"] for r in results) / 2**20
+
     def pop_metrics(self) -> dict[str, float]:
         """This step's offload/onload metrics (then reset)."""
+        self._collect()
         metrics, self.metrics = self.metrics, {}
         return metrics

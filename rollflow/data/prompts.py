@@ -106,21 +106,70 @@ class PromptEncoder:
         self.prompt_key = prompt_key
         self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.max_prompt_tokens = max_prompt_tokens
+        self._frame: tuple[str, str] | None | bool = False  # (before, after) the user text; None: no frame
+
+    def render(self, row: Row) -> str:
+        """The row's prompt text: the chat template around it (when used), else the prompt itself.
+
+        A plain-text user message is rendered by the template's frame (`_template_frame`) when the template
+        has one and the text is of the kind a template only copies; anything else renders in full.
+        """
+        prompt = row[self.prompt_key]
+        if not self.use_template:
+            return str(prompt)
+        if isinstance(prompt, str) and _copied_verbatim(prompt) and (frame := self._template_frame()):
+            return frame[0] + prompt + frame[1]
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _template_frame(self) -> tuple[str, str] | None:
+        """(before, after) such that the template renders a lone user message `x` as `before + x + after`,
+        found by rendering two different probe texts once; None when the template does anything else with
+        them (renders them differently, drops or repeats them). Rendering a template costs ~0.1 ms a prompt;
+        a dataset of 10,000 prompts is encoded at every start."""
+        if self._frame is False:
+            self._frame = None
+            renders = []
+            for probe in _FRAME_PROBES:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": probe}],
+                                                          add_generation_prompt=True, tokenize=False)
+                if text.count(probe) != 1:
+                    return None
+                renders.append(text.partition(probe)[::2])
+            if renders[0] == renders[1]:
+                self._frame = renders[0]
+        return self._frame
+
+    def encode_all(self, rows: Sequence[Row]) -> list[EncodedPrompt]:
+        """`encode` of every row, the tokenizer called once for all of them (a fast tokenizer's batch call
+        is ~10x cheaper than one call a row). Raises like `encode`, without saying which row: on an error,
+        encode row by row to find it."""
+        texts = [self.render(row) for row in rows]
+        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return [self._checked(row, text, ids) for row, text, ids in zip(rows, texts, all_ids)]
 
     def encode(self, row: Row) -> EncodedPrompt:
-        prompt = row[self.prompt_key]
-        if self.use_template:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = str(prompt)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = self.render(row)
+        return self._checked(row, text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _checked(self, row: Row, text: str, ids: list[int]) -> EncodedPrompt:
         if len(ids) > self.max_prompt_tokens:
             raise DataError(f"a prompt has {len(ids)} tokens, over data.max_prompt_tokens="
                             f"{self.max_prompt_tokens}: {text[:60]!r}...")
         if not ids:
             raise DataError(f"a prompt encodes to no tokens: {text!r}")
         return EncodedPrompt(row, text, ids)
+
+
+# Two user texts no template treats specially (no markup, no surrounding whitespace), to find its frame.
+_FRAME_PROBES = ("rollflowprobeA1", "rollflowprobeBB22")
+
+
+def _copied_verbatim(text: str) -> bool:
+    """Whether a chat template can be trusted to copy `text` unchanged into its frame: no surrounding
+    whitespace (templates may trim) and no markup (templates look for tags like `<think>` or
+    `<tool_response>` in messages)."""
+    return bool(text) and text == text.strip() and "<" not in text and "{%" not in text
 
 
 class PromptSampler:

@@ -180,15 +180,19 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
             than the model's context.
     """
     tokenizer = encoder.tokenizer
+    for number, row in enumerate(rows, start=1):
+        problem = _prompt_problem(row.get(encoder.prompt_key), encoder.prompt_key, encoder.use_template)
+        if problem:
+            raise DataError(f"{source} row {number}: {problem}")
+    try:
+        in_bulk = encoder.encode_all(rows)  # all at once; on any error, row by row below names the row
+    except Exception:  # noqa: BLE001 - a chat template raises whatever jinja or the template raises
+        in_bulk = None
     encoded = []
     for number, row in enumerate(rows, start=1):
         where = f"{source} row {number}"
-        prompt = row.get(encoder.prompt_key)
-        problem = _prompt_problem(prompt, encoder.prompt_key, encoder.use_template)
-        if problem:
-            raise DataError(f"{where}: {problem}")
         try:
-            prompt_ids = encoder.encode(row)
+            prompt_ids = in_bulk[number - 1] if in_bulk is not None else encoder.encode(row)
         except DataError as err:
             raise DataError(f"{where}: {err}") from None
         except Exception as err:  # a chat template raises whatever jinja or the template raises

@@ -95,6 +95,10 @@ class PendingGroup:
         """Plain rewards still running on the reward pool (`CombinedReward(pool=...)`)."""
         return any(isinstance(v, Future) and not v.done() for values in self._plain for v in values)
 
+    def plain_futures(self) -> list[Future]:
+        """The pool futures of the plain rewards still running (to be told when they end)."""
+        return [v for values in self._plain for v in values if isinstance(v, Future) and not v.done()]
+
     def finish(self, group_results: list[Any]) -> list[Outcome]:
         """Combine everything into one outcome per sample.
 

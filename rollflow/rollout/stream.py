@@ -157,6 +157,7 @@ class RolloutStream:
         # Groups go out in rounds (one batch per worker) only where the batch must not depend on timing.
         self.rounds = scheduler.deterministic and settings.max_staleness == 0 and settings.overprovision == 1
         self._cond = threading.Condition()
+        self._rewards_done = threading.Event()  # set when a plain reward ends (see `_pump`)
         self._queue: collections.deque[PromptGroup] = collections.deque()
         self._long_queue: collections.deque[PromptGroup] = collections.deque()
         self._in_flight: dict[ray.ObjectRef, tuple[int, list[PromptGroup]]] = {}  # ref -> (worker, groups)
@@ -410,8 +411,9 @@ class RolloutStream:
         done = ray.wait(pending, num_returns=1, timeout=wait_s)[0] if pending else []
         if done:
             done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-        elif not pending and polling:
-            time.sleep(wait_s)
+        elif not pending and polling:  # only plain rewards running: woken as soon as one ends
+            if self._rewards_done.wait(wait_s):
+                self._rewards_done.clear()
         if only_scoring:  # what model rewards (and slow plain ones) add to a step
             self._reward_wait += time.perf_counter() - waited
         with self._cond:
@@ -440,6 +442,10 @@ class RolloutStream:
                 for worker, groups in self._in_flight.values():
                     generating[worker] += len(groups)
                 raise StalledError(self.scheduler.stall_message(generating, len(self._scoring)))
+
+    def _reward_done(self, _future) -> None:
+        """A plain reward call ended (on a reward-pool thread): wake a `_pump` waiting for scores."""
+        self._rewards_done.set()
 
     def _draw(self) -> None:
         """Queue as many new prompts as the quota allows."""
@@ -523,6 +529,8 @@ class RolloutStream:
             self._long_queue.append(self._new_group(group.prompt, group.index, long=True))
         elif self.scheduler.batched:
             group.scoring = self.scheduler.submit_scoring(group.prompt, group.samples)
+            for future in group.scoring.pending.plain_futures():
+                future.add_done_callback(self._reward_done)
             group.state = GroupState.SCORING
             self._scoring.append(group)
         else:  # a plain function, called on this thread

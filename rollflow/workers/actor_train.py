@@ -40,6 +40,7 @@ class ActorTrainWorker(PlacedWorker):
         self.version = 0
         self.broadcast: BroadcastGroup | None = None
         self.outgoing: list[dict[str, torch.Tensor]] = []
+        self.preload(config.roles.actor_train.backend, config.model.path, config.model.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the training backend; every rank calls this at the same time (a collective for fsdp2)."""

@@ -54,6 +54,17 @@ class PlacedWorker:
         self.resident = True
         return move_report(started)
 
+    @staticmethod
+    def preload(backend: str, model_path: str, trust_remote_code: bool = False) -> None:
+        """Import a trainer's backend and modeling code in its constructor, where all workers start
+        concurrently, rather than in `init_backend`, which runs after the ranks meet (see
+        `rollflow.models.preload_model_code`)."""
+        from rollflow.backends import backend_class
+        from rollflow.models import preload_model_code
+
+        backend_class(backend)
+        preload_model_code(model_path, trust_remote_code)
+
     def require_resident(self, operation: str) -> None:
         if not self.resident:
             raise RuntimeError(f"{type(self).__name__}.{operation} called while offloaded; onload() first")

@@ -63,6 +63,7 @@ class CriticWorker(PlacedWorker):
         self.loss = CriticLoss(config.algorithm.loss_aggregation, config.algorithm.value_clip)
         self.mini_batches = config.train.optimizer_steps_per_step
         self.updates = 0  # critic updates so far: seeds each update's mini-batch split
+        self.preload(config.roles.critic.backend, config.model.path, config.model.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the value model's backend; every rank calls this at the same time (a collective for fsdp2)."""

@@ -25,6 +25,8 @@ class ReferenceWorker(PlacedWorker):
         super().__init__(placement, config.cluster.device)
         self.config = config
         self.temperature = sampling_temperature(config)
+        role = config.roles.reference
+        self.preload(role.backend, role.model_path or config.model.path, config.model.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the frozen model (a collective for fsdp2 ranks)."""

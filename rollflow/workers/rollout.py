@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, WeightReceiver
+from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, WeightReceiver, fetched_bucket
 from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.engines import create_engine
@@ -68,12 +68,12 @@ class RolloutWorker(PlacedWorker):
         """
         started = time.perf_counter()
         receiver = WeightReceiver(manifest)
-        if manifest.layouts:  # broadcast transport: the trainer sends while we receive
+        if manifest.transport == "broadcast":  # the trainer sends while we receive
             for bucket in self.broadcast.receive(manifest.layouts):
                 receiver.add(bucket)
         else:
-            for ref in manifest.buckets:  # one bucket in flight at a time, checked as it lands
-                receiver.add(await ref)
+            for ref, layout in zip(manifest.buckets, manifest.layouts):  # one bucket in flight, checked as it lands
+                receiver.add(fetched_bucket(await ref, layout))
         weights = receiver.finish()
         fetched = time.perf_counter()
         self.engine.update_weights(weights, manifest.version)

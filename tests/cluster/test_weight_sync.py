@@ -8,6 +8,7 @@ from rollflow.cluster import weight_sync
 from rollflow.cluster.weight_sync import (
     CHECKSUM_MODES,
     WeightReceiver,
+    fetched_bucket,
     flip_one_byte,
     publish_weights,
     weights_checksum,
@@ -33,6 +34,13 @@ def _receive(manifest, buckets):
     for bucket in buckets:
         receiver.add(bucket)
     return receiver.finish()
+
+
+def _fetch(manifest):
+    """The object-store buckets as a rollout worker fetches them: flat byte arrays, unpacked by layout."""
+    import ray
+
+    return [fetched_bucket(ray.get(ref), layout) for ref, layout in zip(manifest.buckets, manifest.layouts)]
 
 
 def test_checksum_is_stable_and_order_independent():
@@ -74,19 +82,18 @@ def test_buckets_bound_size_and_keep_every_tensor():
 
 
 def test_publish_and_receive_through_the_object_store(ray_session):
-    import ray
 
     weights = _weights()
     manifest, unsent = publish_weights(weights, version=3, bucket_bytes=50)
     assert unsent == [] and len(manifest.buckets) == 3 and manifest.num_tensors == 3 and manifest.version == 3
-    received = _receive(manifest, ray.get(manifest.buckets))
+    received = _receive(manifest, _fetch(manifest))
     assert all(torch.equal(received[k], weights[k]) for k in weights)
 
     corrupted, _ = publish_weights(weights, version=4, bucket_bytes=50, corrupt=True)
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
-        _receive(corrupted, ray.get(corrupted.buckets))
+        _receive(corrupted, _fetch(corrupted))
     with pytest.raises(WeightSyncError, match="delivered 2 tensors, the trainer sent 3"):
-        _receive(manifest, ray.get(manifest.buckets[:2]))
+        _receive(manifest, _fetch(manifest)[:2])
 
 
 @pytest.mark.parametrize("mode", CHECKSUM_MODES)
@@ -188,7 +195,6 @@ def test_each_side_hashes_every_tensor_once(mode, transport, monkeypatch, reques
     never (`off`). A second verification pass anywhere on the path makes a count 2."""
     if transport == "object_store":
         request.getfixturevalue("ray_session")
-    import ray
 
     calls = Counter()
     hash_tensor = weight_sync.hash_tensor
@@ -206,7 +212,7 @@ def test_each_side_hashes_every_tensor_once(mode, transport, monkeypatch, reques
     assert manifest.num_buckets == 3 and calls == once
     for _ in range(2):  # two rollout workers
         calls.clear()
-        buckets = outgoing if transport == "broadcast" else [ray.get(ref) for ref in manifest.buckets]
+        buckets = outgoing if transport == "broadcast" else _fetch(manifest)
         received = _receive(manifest, buckets)
         assert calls == once and set(received) == set(weights)
 
