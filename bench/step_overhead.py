@@ -6,18 +6,19 @@
 Runs `rollflow train examples/quickstart.yaml` as a user would (a fresh process, its own local Ray) with
 `P` prompts x 8 samples per step and no eval, twice: P = 8 and P = 64. Reports:
 
-- `startup_s`: from launching the command to the start of the first training step (the driver's first
-  `step` span in `timeline.json`), at 8 x 8;
+- `startup_s`: from launching the command to the start of the first training step (when the console printed
+  step 1, less that step's `time/step`), at 8 x 8;
 - `median_step_s_8x8`, `median_step_s_64x8`: the median `time/step` after the first two steps, and
   `samples_per_s_*` = P * 8 / median step;
-- `peak_rss_mb`, `peak_pss_mb`: the peak over the 8 x 8 run of the summed resident memory of the command's
+- `peak_rss_mb_*`, `peak_pss_mb_*`: the peak over each run of the summed resident memory of the command's
   whole process tree (driver, Ray's services, workers), RSS counting shared library pages once per process,
-  PSS splitting them between the processes that share them; `processes` and `threads`: the most seen.
+  PSS splitting them between the processes that share them; `processes` and `threads`: the most seen (8 x 8).
 
-With `--trl PYTHON`, `bench/trl_grpo.py` runs under that interpreter (an environment with TRL installed; TRL
-is not a dependency of rollflow) for the same two shapes, and the line adds TRL's numbers and the ratios
-(`speedup_*`: rollflow samples/s over TRL's; `memory_ratio`: rollflow peak over TRL's). Timings on a shared
-machine are noisy: compare ratios measured in one run.
+With `--before CHECKOUT`, the same is measured for the rollflow in that directory (an earlier commit:
+`git worktree add /tmp/before REV`), back to back. With `--trl PYTHON`, `bench/trl_grpo.py` runs under that
+interpreter (an environment with TRL installed; TRL is not a dependency of rollflow) for the same two shapes,
+and the line adds TRL's numbers and the ratios (`speedup_*`: rollflow samples/s over TRL's; `memory_ratio_*`:
+rollflow's peak over TRL's). Timings on a shared machine are noisy: compare ratios measured in one run.
 """
 
 from __future__ import annotations
@@ -88,30 +89,54 @@ class TreeSampler:
         return {k: round(v, 1) for k, v in self.peak.items()}
 
 
-def run_rollflow(prompts: int, steps: int, out: Path) -> dict:
-    """One `rollflow train` of the quickstart at `prompts` x 8 without eval; its timings and memory."""
+def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None) -> dict:
+    """One `rollflow train` of the quickstart at `prompts` x 8 without eval; its timings and memory.
+
+    `code`: a checkout of rollflow to run instead of the installed one (put first on PYTHONPATH), to measure an
+    earlier version back to back with this one. Start-up is read the same way for any version: the moment the
+    console printed step 1, less step 1's own `time/step`.
+    """
     name = f"overhead_{prompts}x{SAMPLES}"
     command = [sys.executable, "-m", "rollflow.cli", "train", str(REPO / "examples" / "quickstart.yaml"),
                f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={SAMPLES}",
-               f"train.steps={steps}", "data.eval=null", "output.trackers=[jsonl]", f"output.dir={out}",
+               f"train.steps={steps}", "data.eval=null", "output.trackers=[console,jsonl]", f"output.dir={out}",
                f"name={name}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code, os.environ.get("PYTHONPATH")]))}
     launched = time.time()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sampler = TreeSampler(process.pid)
-    _, stderr = process.communicate()
+    first_step_printed = None
+    for line in process.stdout:
+        if first_step_printed is None and line.startswith("step 1/"):
+            first_step_printed = time.time()
+    stderr = process.stderr.read()
+    process.wait()
     peak = sampler.stop()
-    if process.returncode != 0:
+    if process.returncode != 0 or first_step_printed is None:
         raise SystemExit(f"rollflow train failed ({process.returncode}): {stderr[-2000:]}")
-    run_dir = out / name
-    trace = json.loads((run_dir / "timeline.json").read_text())
-    origin = trace["otherData"]["origin_unix_s"]
-    first_step = min(e["ts"] for e in trace["traceEvents"] if e.get("name") == "step" and e["ph"] == "X")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_times = [row["time/step"] for row in rows if "time/step" in row][2:]
-    median = statistics.median(step_times)
-    return {"startup_s": round(origin + first_step / 1e6 - launched, 2), "median_step_s": round(median, 4),
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    step_times = [row["time/step"] for row in rows if "time/step" in row]
+    median = statistics.median(step_times[2:])
+    return {"startup_s": round(first_step_printed - step_times[0] - launched, 2), "median_step_s": round(median, 4),
             "samples_per_s": round(prompts * SAMPLES / median, 1), "wall_s": round(time.time() - launched, 1),
             **{f"peak_{k}" if k.endswith("mb") else k: v for k, v in peak.items()}}
+
+
+def measure_rollflow(steps_small: int, steps_large: int, code: str | None = None) -> dict:
+    """The summary of one version: start-up and memory from the 8 x 8 run, median steps of both shapes."""
+    with tempfile.TemporaryDirectory() as out:
+        small = run_rollflow(8, steps_small, Path(out), code)
+        large = run_rollflow(64, steps_large, Path(out), code)
+    return summary(small, large)
+
+
+def summary(small: dict, large: dict) -> dict:
+    """One version's numbers from its 8 x 8 and 64 x 8 runs (start-up and process counts from 8 x 8)."""
+    return {"startup_s": small["startup_s"], "median_step_s_8x8": small["median_step_s"],
+            "median_step_s_64x8": large["median_step_s"], "samples_per_s_8x8": small["samples_per_s"],
+            "samples_per_s_64x8": large["samples_per_s"], "peak_rss_mb_8x8": small["peak_rss_mb"],
+            "peak_rss_mb_64x8": large["peak_rss_mb"], "peak_pss_mb_8x8": small["peak_pss_mb"],
+            "peak_pss_mb_64x8": large["peak_pss_mb"], "processes": small["processes"], "threads": small["threads"]}
 
 
 def run_trl(python: str, prompts: int, steps: int) -> dict:
@@ -129,26 +154,26 @@ def main() -> None:
     parser.add_argument("--steps-small", type=int, default=30, help="steps of the 8 x 8 run")
     parser.add_argument("--steps-large", type=int, default=12, help="steps of the 64 x 8 run")
     parser.add_argument("--trl", metavar="PYTHON", help="also run bench/trl_grpo.py under this interpreter")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="also measure the rollflow in this directory (e.g. `git worktree add /tmp/before REV`)")
     args = parser.parse_args()
-    line: dict = {"machine_cpus": os.cpu_count()}
-    with tempfile.TemporaryDirectory() as out:
-        small = run_rollflow(8, args.steps_small, Path(out))
-        large = run_rollflow(64, args.steps_large, Path(out))
-    line.update({"startup_s": small["startup_s"], "median_step_s_8x8": small["median_step_s"],
-                 "median_step_s_64x8": large["median_step_s"], "samples_per_s_8x8": small["samples_per_s"],
-                 "samples_per_s_64x8": large["samples_per_s"], "peak_rss_mb": small["peak_rss_mb"],
-                 "peak_pss_mb": small["peak_pss_mb"], "processes": small["processes"], "threads": small["threads"]})
+    line: dict = {"machine_cpus": os.cpu_count(), **measure_rollflow(args.steps_small, args.steps_large)}
+    if args.before:
+        line["before"] = measure_rollflow(args.steps_small, args.steps_large, args.before)
     if args.trl:
         trl_small = run_trl(args.trl, 8, args.steps_small)
         trl_large = run_trl(args.trl, 64, args.steps_large)
-        line["trl"] = {"startup_s": trl_small["startup_s"], "median_step_s_8x8": trl_small["median_step_s"],
-                       "median_step_s_64x8": trl_large["median_step_s"],
-                       "peak_rss_mb": trl_small["peak_rss_mb"], "peak_pss_mb": trl_small["peak_pss_mb"],
-                       "processes": trl_small["processes"], "threads": trl_small["threads"]}
-        line["speedup_8x8"] = round(trl_small["median_step_s"] / small["median_step_s"], 2)
-        line["speedup_64x8"] = round(trl_large["median_step_s"] / large["median_step_s"], 2)
-        line["memory_ratio_rss"] = round(small["peak_rss_mb"] / trl_small["peak_rss_mb"], 2)
-        line["memory_ratio_pss"] = round(small["peak_pss_mb"] / trl_small["peak_pss_mb"], 2)
+        trl = line["trl"] = summary(trl_small, trl_large)
+        for version, numbers in (("", line), ("before_", line.get("before"))):
+            if numbers is None:
+                continue
+            line[f"{version}vs_trl"] = {
+                "startup_ratio": round(numbers["startup_s"] / trl["startup_s"], 2),
+                **{f"speedup_{shape}": round(trl[f"median_step_s_{shape}"] / numbers[f"median_step_s_{shape}"], 2)
+                   for shape in ("8x8", "64x8")},
+                **{f"memory_ratio_{kind}_{shape}": round(numbers[f"peak_{kind}_mb_{shape}"]
+                                                         / trl[f"peak_{kind}_mb_{shape}"], 2)
+                   for kind in ("rss", "pss") for shape in ("8x8", "64x8")}}
     print(json.dumps(line))
 
 
