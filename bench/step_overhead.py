@@ -103,7 +103,9 @@ def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None) -
                f"name={name}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code, os.environ.get("PYTHONPATH")]))}
     launched = time.time()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # run from the output directory: `python -m` puts the working directory first on sys.path, and this
+    # repository's own rollflow/ would shadow `code`
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out)
     sampler = TreeSampler(process.pid)
     first_step_printed = None
     for line in process.stdout:

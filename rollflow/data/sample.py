@@ -206,22 +206,25 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     batch_size = len(samples)
     prompt_width = max(len(s.prompt_ids) for s in samples)
     response_width = max(max(len(s.response_ids) for s in samples), 1)
-    input_ids = torch.full((batch_size, prompt_width + response_width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(batch_size, response_width, dtype=torch.float32)
-    rollout_logprobs = torch.zeros(batch_size, response_width, dtype=torch.float32)
-    policy_versions = torch.full((batch_size, response_width), -1, dtype=torch.long)
-    for row, sample in enumerate(samples):
+    # padded Python rows, then one tensor per field: a per-row tensor and slice assignment costs ~30 us a row
+    ids, attention, mask, logprobs, versions = [], [], [], [], []
+    for sample in samples:
         n_prompt, n_response = len(sample.prompt_ids), len(sample.response_ids)
-        input_ids[row, prompt_width - n_prompt : prompt_width] = torch.tensor(sample.prompt_ids)
-        attention_mask[row, prompt_width - n_prompt : prompt_width + n_response] = 1
-        if n_response:
-            input_ids[row, prompt_width : prompt_width + n_response] = torch.tensor(sample.response_ids)
-            response_mask[row, :n_response] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        if sample.response_logprobs:
-            rollout_logprobs[row, :n_response] = torch.tensor(sample.response_logprobs)
-        if sample.policy_versions:
-            policy_versions[row, :n_response] = torch.tensor(sample.policy_versions)
+        left, right = prompt_width - n_prompt, response_width - n_response
+        ids.append([pad_token_id] * left + list(sample.prompt_ids) + list(sample.response_ids)
+                   + [pad_token_id] * right)
+        attention.append([0] * left + [1] * (n_prompt + n_response) + [0] * right)
+        mask.append(list(sample.loss_mask[:n_response]) + [0] * (response_width - min(len(sample.loss_mask),
+                                                                                      n_response)))
+        logprobs.append(list(sample.response_logprobs) + [0.0] * (response_width - len(sample.response_logprobs))
+                        if sample.response_logprobs else [0.0] * response_width)
+        versions.append(list(sample.policy_versions) + [-1] * (response_width - len(sample.policy_versions))
+                        if sample.policy_versions else [-1] * response_width)
+    input_ids = torch.tensor(ids, dtype=torch.long)  # [B, P + T]
+    attention_mask = torch.tensor(attention, dtype=torch.long)  # [B, P + T]
+    response_mask = torch.tensor(mask, dtype=torch.float32)  # [B, T]
+    rollout_logprobs = torch.tensor(logprobs, dtype=torch.float32)  # [B, T]
+    policy_versions = torch.tensor(versions, dtype=torch.long)  # [B, T]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T]
     domain_names = tuple(sorted({s.domain for s in samples}))
     return Batch(

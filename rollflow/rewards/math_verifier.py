@@ -209,12 +209,11 @@ _default_lock = threading.Lock()
 
 
 def default_verifier() -> MathVerifier:
-    """The process-wide verifier, created on first use and closed at exit: two helpers, one on a machine of
-    at most 3 cores (each helper holds ~55 MB, and the fast path leaves math-verify the rare completion)."""
+    """The process-wide verifier (two helpers), created on first use and closed at exit."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = MathVerifier(max_helpers=max(1, min(2, (os.cpu_count() or 1) // 2)))
+            _default = MathVerifier(max_helpers=min(2, os.cpu_count() or 1))
             atexit.register(_default.close)
         return _default
 
