@@ -8,8 +8,9 @@ Runs `rollflow train examples/quickstart.yaml` as a user would (a fresh process,
 
 - `startup_s`: from launching the command to the start of the first training step (when the console printed
   step 1, less that step's `time/step`), at 8 x 8;
-- `median_step_s_8x8`, `median_step_s_64x8`: the median `time/step` after the first two steps, and
-  `samples_per_s_*` = P * 8 / median step;
+- `median_step_s_8x8`, `median_step_s_64x8`: the median time between two consecutive steps' console lines
+  (all the loop does, logging included, as TRL's is between two `on_step_end`s) after the first three steps,
+  and `samples_per_s_*` = P * 8 / median step;
 - `peak_rss_mb_*`, `peak_pss_mb_*`: the peak over each run of the summed resident memory of the command's
   whole process tree (driver, Ray's services, workers), RSS counting shared library pages once per process,
   PSS splitting them between the processes that share them; `processes` and `threads`: the most seen (8 x 8).
@@ -18,7 +19,10 @@ With `--before CHECKOUT`, the same is measured for the rollflow in that director
 `git worktree add /tmp/before REV`), back to back. With `--trl PYTHON`, `bench/trl_grpo.py` runs under that
 interpreter (an environment with TRL installed; TRL is not a dependency of rollflow) for the same two shapes,
 and the line adds TRL's numbers and the ratios (`speedup_*`: rollflow samples/s over TRL's; `memory_ratio_*`:
-rollflow's peak over TRL's). Timings on a shared machine are noisy: compare ratios measured in one run.
+rollflow's peak over TRL's). Each timing is the median over `--rounds` interleaved rounds (default 3) that do not sample memory; memory
+comes from one more round that does (sampling rollflow's 11 processes every 0.2 s takes ~20% of a core). On
+the 2-core development machine one run's 8 x 8 median varies by +-15% from the next: compare ratios measured
+in one invocation.
 """
 
 from __future__ import annotations
@@ -65,14 +69,17 @@ def _kib(path: str, field: str) -> int:
 
 
 class TreeSampler:
-    """Samples a process tree every `interval_s` in a thread: the peaks of summed RSS / PSS, processes, threads."""
+    """Samples a process tree every `interval_s` in a thread: the peaks of summed RSS / PSS, processes, threads.
+    `interval_s` 0: no sampling. One sample of rollflow's 11 processes costs ~45 ms of kernel time (smaps_rollup
+    walks page tables), so timing runs do not sample: it would take 20% of a core from the run it measures."""
 
     def __init__(self, root: int, interval_s: float = 0.2):
         self.root, self.interval_s = root, interval_s
         self.peak = {"rss_mb": 0.0, "pss_mb": 0.0, "processes": 0, "threads": 0}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        if interval_s > 0:
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
@@ -85,11 +92,12 @@ class TreeSampler:
 
     def stop(self) -> dict[str, float]:
         self._done.set()
-        self._thread.join()
+        if self.interval_s > 0:
+            self._thread.join()
         return {k: round(v, 1) for k, v in self.peak.items()}
 
 
-def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None) -> dict:
+def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None, memory: bool = False) -> dict:
     """One `rollflow train` of the quickstart at `prompts` x 8 without eval; its timings and memory.
 
     `code`: a checkout of rollflow to run instead of the installed one (put first on PYTHONPATH), to measure an
@@ -106,45 +114,53 @@ def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None) -
     # run from the output directory: `python -m` puts the working directory first on sys.path, and this
     # repository's own rollflow/ would shadow `code`
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out)
-    sampler = TreeSampler(process.pid)
-    first_step_printed = None
+    sampler = TreeSampler(process.pid, 0.2 if memory else 0.0)
+    printed = []  # when each step's console line appeared
     for line in process.stdout:
-        if first_step_printed is None and line.startswith("step 1/"):
-            first_step_printed = time.time()
+        if line.startswith("step ") and not line.startswith("step 0/"):
+            printed.append(time.time())
     stderr = process.stderr.read()
     process.wait()
     peak = sampler.stop()
-    if process.returncode != 0 or first_step_printed is None:
+    if process.returncode != 0 or len(printed) < 4:
         raise SystemExit(f"rollflow train failed ({process.returncode}): {stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    step_times = [row["time/step"] for row in rows if "time/step" in row]
-    median = statistics.median(step_times[2:])
-    return {"startup_s": round(first_step_printed - step_times[0] - launched, 2), "median_step_s": round(median, 4),
+    first_step = next(row["time/step"] for row in rows if "time/step" in row)
+    # a step is the time between two step lines: everything the loop does (logging included), as TRL's
+    # median is between two `on_step_end`s
+    median = statistics.median([b - a for a, b in zip(printed, printed[1:])][2:])
+    return {"startup_s": round(printed[0] - first_step - launched, 2), "median_step_s": round(median, 4),
             "samples_per_s": round(prompts * SAMPLES / median, 1), "wall_s": round(time.time() - launched, 1),
             **{f"peak_{k}" if k.endswith("mb") else k: v for k, v in peak.items()}}
 
 
-def measure_rollflow(steps_small: int, steps_large: int, code: str | None = None) -> dict:
-    """The summary of one version: start-up and memory from the 8 x 8 run, median steps of both shapes."""
+def measure_rollflow(steps_small: int, steps_large: int, code: str | None = None,
+                     memory: bool = False) -> tuple[dict, dict]:
+    """One round of one version: its 8 x 8 and 64 x 8 runs (a memory round samples the process tree)."""
     with tempfile.TemporaryDirectory() as out:
-        small = run_rollflow(8, steps_small, Path(out), code)
-        large = run_rollflow(64, steps_large, Path(out), code)
-    return summary(small, large)
+        return (run_rollflow(8, steps_small, Path(out), code, memory),
+                run_rollflow(64, steps_large, Path(out), code, memory))
 
 
-def summary(small: dict, large: dict) -> dict:
-    """One version's numbers from its 8 x 8 and 64 x 8 runs (start-up and process counts from 8 x 8)."""
-    return {"startup_s": small["startup_s"], "median_step_s_8x8": small["median_step_s"],
-            "median_step_s_64x8": large["median_step_s"], "samples_per_s_8x8": small["samples_per_s"],
-            "samples_per_s_64x8": large["samples_per_s"], "peak_rss_mb_8x8": small["peak_rss_mb"],
-            "peak_rss_mb_64x8": large["peak_rss_mb"], "peak_pss_mb_8x8": small["peak_pss_mb"],
-            "peak_pss_mb_64x8": large["peak_pss_mb"], "processes": small["processes"], "threads": small["threads"]}
+def summary(rounds: list[tuple[dict, dict]], memory: tuple[dict, dict]) -> dict:
+    """One version's numbers: timings are the median over the timing `rounds` of its 8 x 8 and 64 x 8 runs
+    (start-up from 8 x 8), memory and process counts come from its `memory` round."""
+    def median(shape: int, key: str) -> float:
+        return round(statistics.median(runs[shape][key] for runs in rounds), 4)
+
+    return {"startup_s": median(0, "startup_s"), "median_step_s_8x8": median(0, "median_step_s"),
+            "median_step_s_64x8": median(1, "median_step_s"), "samples_per_s_8x8": median(0, "samples_per_s"),
+            "samples_per_s_64x8": median(1, "samples_per_s"), "peak_rss_mb_8x8": memory[0]["peak_rss_mb"],
+            "peak_rss_mb_64x8": memory[1]["peak_rss_mb"], "peak_pss_mb_8x8": memory[0]["peak_pss_mb"],
+            "peak_pss_mb_64x8": memory[1]["peak_pss_mb"], "processes": memory[0]["processes"],
+            "threads": memory[0]["threads"], "rounds": len(rounds)}
 
 
-def run_trl(python: str, prompts: int, steps: int) -> dict:
+def run_trl(python: str, prompts: int, steps: int, memory: bool = False) -> dict:
     """`bench/trl_grpo.py` under `python` at `prompts` x 8; its JSON line."""
     result = subprocess.run([python, str(REPO / "bench" / "trl_grpo.py"), "--prompts", str(prompts),
-                             "--samples", str(SAMPLES), "--steps", str(steps)],
+                             "--samples", str(SAMPLES), "--steps", str(steps),
+                             "--memory-interval", "0.2" if memory else "0"],
                             capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(f"trl_grpo.py failed: {result.stderr[-2000:]}")
@@ -158,14 +174,26 @@ def main() -> None:
     parser.add_argument("--trl", metavar="PYTHON", help="also run bench/trl_grpo.py under this interpreter")
     parser.add_argument("--before", metavar="CHECKOUT",
                         help="also measure the rollflow in this directory (e.g. `git worktree add /tmp/before REV`)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every version and shape, interleaved; each number is the median over them")
     args = parser.parse_args()
-    line: dict = {"machine_cpus": os.cpu_count(), **measure_rollflow(args.steps_small, args.steps_large)}
+    versions = {"after": lambda memory: measure_rollflow(args.steps_small, args.steps_large, None, memory)}
     if args.before:
-        line["before"] = measure_rollflow(args.steps_small, args.steps_large, args.before)
+        versions["before"] = lambda memory: measure_rollflow(args.steps_small, args.steps_large, args.before, memory)
     if args.trl:
-        trl_small = run_trl(args.trl, 8, args.steps_small)
-        trl_large = run_trl(args.trl, 64, args.steps_large)
-        trl = line["trl"] = summary(trl_small, trl_large)
+        versions["trl"] = lambda memory: (run_trl(args.trl, 8, args.steps_small, memory),
+                                          run_trl(args.trl, 64, args.steps_large, memory))
+    memory = {name: measure(True) for name, measure in versions.items()}  # the round that samples memory
+    rounds: dict[str, list] = {name: [] for name in versions}
+    for _ in range(args.rounds):  # interleaved, so a slow minute of the machine hits every version alike
+        for name, measure in versions.items():
+            rounds[name].append(measure(False))
+    line: dict = {"machine_cpus": os.cpu_count(), **summary(rounds["after"], memory["after"])}
+    for name in ("before", "trl"):
+        if name in rounds:
+            line[name] = summary(rounds[name], memory[name])
+    if "trl" in line:
+        trl = line["trl"]
         for version, numbers in (("", line), ("before_", line.get("before"))):
             if numbers is None:
                 continue
