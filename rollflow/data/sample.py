@@ -190,6 +190,16 @@ class Batch:
         )
 
 
+def _response_row(values: list, n_response: int, width: int, fill: Any, name: str, optional: bool = True) -> list:
+    """One value per response token, right-padded to `width` with `fill`; `optional` values may be left empty
+    (the row is all `fill`). Any other length than the response's is a bug upstream (ValueError)."""
+    if optional and not values:
+        return [fill] * width
+    if len(values) != n_response:
+        raise ValueError(f"a sample's {name} has {len(values)} entries for {n_response} response tokens")
+    return list(values) + [fill] * (width - n_response)
+
+
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """Turn samples into one padded `Batch`. The only place samples become tensors.
 
@@ -203,7 +213,6 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
-    batch_size = len(samples)
     prompt_width = max(len(s.prompt_ids) for s in samples)
     response_width = max(max(len(s.response_ids) for s in samples), 1)
     # padded Python rows, then one tensor per field: a per-row tensor and slice assignment costs ~30 us a row
@@ -214,12 +223,11 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
         ids.append([pad_token_id] * left + list(sample.prompt_ids) + list(sample.response_ids)
                    + [pad_token_id] * right)
         attention.append([0] * left + [1] * (n_prompt + n_response) + [0] * right)
-        mask.append(list(sample.loss_mask[:n_response]) + [0] * (response_width - min(len(sample.loss_mask),
-                                                                                      n_response)))
-        logprobs.append(list(sample.response_logprobs) + [0.0] * (response_width - len(sample.response_logprobs))
-                        if sample.response_logprobs else [0.0] * response_width)
-        versions.append(list(sample.policy_versions) + [-1] * (response_width - len(sample.policy_versions))
-                        if sample.policy_versions else [-1] * response_width)
+        mask.append(_response_row(sample.loss_mask if n_response else [], n_response, response_width, 0,
+                                  "loss_mask", optional=n_response == 0))
+        logprobs.append(_response_row(sample.response_logprobs, n_response, response_width, 0.0,
+                                      "response_logprobs"))
+        versions.append(_response_row(sample.policy_versions, n_response, response_width, -1, "policy_versions"))
     input_ids = torch.tensor(ids, dtype=torch.long)  # [B, P + T]
     attention_mask = torch.tensor(attention, dtype=torch.long)  # [B, P + T]
     response_mask = torch.tensor(mask, dtype=torch.float32)  # [B, T]
