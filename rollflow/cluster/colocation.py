@@ -68,13 +68,10 @@ class ColocationManager:
         self._collect()
         offload, onload = transitions(self.plan, self.resident, self.phases[phase])
         started = time.perf_counter()
-        waves = [[("offload", offload), ("onload", onload)]] if self.plan.device == "cpu" else \
-            [[("offload", offload)], [("onload", onload)]]
-        for wave in waves:
-            for action, roles in wave:
-                for role in roles:
-                    self.in_flight.append((action, role, self.groups[role].call_async(action)))
-                    self.resident[role] = action == "onload"
+        for action, roles in (("offload", offload), ("onload", onload)):
+            for role in roles:
+                self.in_flight.append((action, role, self.groups[role].call_async(action)))
+                self.resident[role] = action == "onload"
             if self.plan.device != "cpu":
                 self._collect()
         if offload or onload:

@@ -24,7 +24,7 @@ group to the combination of its rows' `domain`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -93,11 +93,14 @@ class PendingGroup:
     @property
     def plain_pending(self) -> bool:
         """Plain rewards still running on the reward pool (`CombinedReward(pool=...)`)."""
-        return any(isinstance(v, Future) and not v.done() for values in self._plain for v in values)
+        return any(self._running())
 
     def plain_futures(self) -> list[Future]:
         """The pool futures of the plain rewards still running (to be told when they end)."""
-        return [v for values in self._plain for v in values if isinstance(v, Future) and not v.done()]
+        return list(self._running())
+
+    def _running(self) -> Iterator[Future]:
+        return (v for values in self._plain for v in values if isinstance(v, Future) and not v.done())
 
     def finish(self, group_results: list[Any]) -> list[Outcome]:
         """Combine everything into one outcome per sample.

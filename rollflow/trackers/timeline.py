@@ -54,6 +54,17 @@ def assign_rows(spans: list[dict[str, Any]]) -> list[int]:
     return rows
 
 
+def lane_rows(spans: list[dict[str, Any]], lanes: Iterable[str] | None = None
+              ) -> list[tuple[str, list[tuple[dict[str, Any], int]]]]:
+    """Per lane (`lanes`, default those of `spans` in `lane_order`), its spans with their sub-row
+    (`assign_rows`)."""
+    result = []
+    for lane in lane_order(s["lane"] for s in spans) if lanes is None else lanes:
+        mine = [s for s in spans if s["lane"] == lane]
+        result.append((lane, list(zip(mine, assign_rows(mine)))))
+    return result
+
+
 def chrome_trace(spans: list[dict[str, Any]]) -> dict[str, Any]:
     """The Chrome trace-event document of `spans`: times in microseconds from the first span, whose
     `time.time()` is `otherData.origin_unix_s`."""
@@ -61,11 +72,10 @@ def chrome_trace(spans: list[dict[str, Any]]) -> dict[str, Any]:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     origin = min(s["start"] for s in spans)
     events: list[dict[str, Any]] = []
-    for pid, lane in enumerate(lane_order(s["lane"] for s in spans)):
+    for pid, (lane, placed) in enumerate(lane_rows(spans)):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": lane}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-        mine = [s for s in spans if s["lane"] == lane]
-        for s, row in zip(mine, assign_rows(mine)):
+        for s, row in placed:
             events.append({"ph": "X", "name": s["name"], "cat": lane.rpartition(" ")[0] or lane, "pid": pid,
                            "tid": row, "ts": round((s["start"] - origin) * 1e6, 1),
                            "dur": round(max(s["end"] - s["start"], 0.0) * 1e6, 1), "args": s.get("args", {})})
@@ -125,12 +135,10 @@ def plot_step(spans: list[dict[str, Any]], step: dict[str, Any], out: Path) -> P
 
     start, end = step["start"], step["end"]
     inside = [s for s in spans if s["end"] > start and s["start"] < end and s is not step]
-    lanes = lane_order([s["lane"] for s in spans])
     rows: list[tuple[str, list[dict[str, Any]]]] = []  # (label, spans) top to bottom
-    for lane in lanes:
-        mine = [s for s in inside if s["lane"] == lane]
+    for lane, placed in lane_rows(inside, lane_order(s["lane"] for s in spans)):  # every lane, even idle ones
         by_row: dict[int, list] = {}
-        for s, row in zip(mine, assign_rows(mine)):
+        for s, row in placed:
             by_row.setdefault(row, []).append(s)
         for row in sorted(by_row) or [0]:
             rows.append((lane if row == 0 else "", by_row.get(row, [])))
