@@ -1,3 +1,5 @@
+import pickle
+
 import pytest
 import torch
 
@@ -117,3 +119,25 @@ def test_trimmed_keeps_one_response_column_and_rejects_extras_of_another_width()
     batch.extras["pairs"] = torch.zeros(3, 2)  # neither [B] nor [B, T]
     with pytest.raises(ValueError, match=r"extras\['pairs'\] has shape \(1, 2\); extras are \[B\] or \[B, T\]"):
         batch.select(torch.tensor([1])).trimmed()
+
+
+def test_a_batch_pickles_its_tensors_as_numpy_and_comes_back_equal_and_writable():
+    """The driver sends the trainer a batch every step: torch's tensor pickling runs a `torch.load` per
+    tensor on the way in; the batch's own reduction sends numpy arrays and rebuilds equal, writable tensors
+    (bfloat16, which numpy lacks, and tensors that need grad keep torch's pickling)."""
+    batch = collate([Sample([1, 2, 3], [4, 5], response_logprobs=[-0.5, -1.0]), Sample([1], [6])], pad_token_id=0)
+    batch.extras["advantages"] = torch.tensor([[0.5, 0.5], [-1.0, 0.0]])
+    assert b"_rebuild_tensor" not in pickle.dumps(batch, protocol=5)  # no tensor pickled the torch way
+    batch.extras["teacher"] = torch.ones(2, 2, dtype=torch.bfloat16)
+    batch.extras["graded"] = torch.ones(2, requires_grad=True)
+    copy = pickle.loads(pickle.dumps(batch, protocol=5))
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs",
+                 "policy_versions", "rewards", "group_ids", "response_lengths", "truncated", "domain_ids"):
+        original, restored = getattr(batch, name), getattr(copy, name)
+        assert restored.dtype == original.dtype and torch.equal(restored, original), name
+    assert copy.prompt_length == batch.prompt_length and copy.domain_names == batch.domain_names
+    assert set(copy.extras) == {"advantages", "teacher", "graded"}
+    assert copy.extras["teacher"].dtype == torch.bfloat16 and copy.extras["graded"].requires_grad
+    assert torch.equal(copy.extras["advantages"], batch.extras["advantages"])
+    copy.input_ids[0, 0] = 7  # writable, and not the original's memory
+    assert batch.input_ids[0, 0] != 7
