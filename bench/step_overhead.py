@@ -105,7 +105,8 @@ def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None, m
     console printed step 1, less step 1's own `time/step`.
     """
     name = f"overhead_{prompts}x{SAMPLES}"
-    command = [sys.executable, "-m", "rollflow.cli", "train", str(REPO / "examples" / "quickstart.yaml"),
+    quickstart = Path(code or REPO) / "examples" / "quickstart.yaml"  # each version runs its own quickstart
+    command = [sys.executable, "-m", "rollflow.cli", "train", str(quickstart),
                f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={SAMPLES}",
                f"train.steps={steps}", "data.eval=null", "output.trackers=[console,jsonl]", f"output.dir={out}",
                f"name={name}"]

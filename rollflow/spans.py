@@ -74,12 +74,19 @@ def _call_done() -> None:
     _calls.active = False
 
 
+def _method_lane(worker: Any, method: str) -> str | None:
+    """The lane `worker` names for `method`'s spans, or None for the process's lane."""
+    lane_of = getattr(worker, "_span_lane", None)
+    return lane_of(method) if lane_of is not None else None
+
+
 def traced(worker_cls: type, lane_of: Callable[..., str]) -> type:
     """A subclass of `worker_cls` whose public method calls are recorded as spans, in the lane
     `lane_of(*constructor_args)` names, with a `pop_spans()` method that hands the process's spans over (and
     empties its buffer). The constructor is a span named "start".
 
-    Coroutine methods stay coroutines (Ray runs an actor with any as an async actor).
+    Coroutine methods stay coroutines (Ray runs an actor with any as an async actor). A worker that serves
+    two roles names the lane of a method's spans with `_span_lane(method) -> lane | None` (None: its own).
     """
 
     def wrap(name: str, method):
@@ -90,7 +97,7 @@ def traced(worker_cls: type, lane_of: Callable[..., str]) -> type:
                 try:
                     return await method(self, *args, **kwargs)
                 finally:
-                    record(name, start, time.time())
+                    record(name, start, time.time(), _method_lane(self, name))
             return traced_coroutine
 
         @functools.wraps(method)
@@ -102,7 +109,7 @@ def traced(worker_cls: type, lane_of: Callable[..., str]) -> type:
                 return method(self, *args, **kwargs)
             finally:
                 _call_done()
-                record(name, start, time.time())
+                record(name, start, time.time(), _method_lane(self, name))
         return traced_method
 
     def __init__(self, *args, **kwargs):

@@ -55,7 +55,8 @@ class ColocationManager:
     in_flight: list = field(default_factory=list)  # (action, role, result refs) of moves not yet waited for
 
     def __post_init__(self):
-        self.resident = {role: True for role in self.groups}
+        # a role served by another role's workers (a hybrid engine) moves with them, never on its own
+        self.resident = {role: True for role, group in self.groups.items() if getattr(group, "host", None) is None}
 
     def enter(self, phase: str) -> None:
         """Offload / onload what `phase` needs, all workers of a role in parallel.

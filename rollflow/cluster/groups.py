@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -48,14 +49,16 @@ class WorkerGroup:
         handles: actor handles, in worker-index order.
         placements: where each worker runs.
         timeout_s: most seconds a wait on this group's calls goes without any result (`cluster.watchdog_s`).
+        host: the role whose workers also serve this role (`WorkerGroups.host`); None for workers of its own.
     """
 
     def __init__(self, role: str, handles: list, placements: list[WorkerPlacement],
-                 timeout_s: float = calls.DEFAULT_WATCHDOG_S):
+                 timeout_s: float = calls.DEFAULT_WATCHDOG_S, host: str | None = None):
         self.role = role
         self.handles = handles
         self.placements = placements
         self.timeout_s = timeout_s
+        self.host = host  # the role whose workers serve this one too (a hybrid worker), or None
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -174,19 +177,32 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
                                         timeout_s=self.timeout_s)
         return self.groups[role]
 
+    def host(self, role: str, host: str) -> WorkerGroup:
+        """Make `role` a second name for the workers of `host` (hybrid workers that serve both roles): calls
+        on either group reach the same actors, which start, report spans and shut down once, as `host`."""
+        hosting = self.groups[host]
+        self.groups[role] = WorkerGroup(role, hosting.handles,
+                                        [replace(p, role=role) for p in hosting.placements],
+                                        self.timeout_s, host=host)
+        return self.groups[role]
+
+    def own(self) -> list[WorkerGroup]:
+        """The groups of workers of their own (not hosted by another role's)."""
+        return [group for group in self.groups.values() if group.host is None]
+
     def wait_ready(self) -> None:
         """Wait for every group's workers (all constructors run concurrently); the first failure raises."""
-        for group in self.groups.values():
+        for group in self.own():
             group.wait_ready()
 
     def gather_spans(self) -> list[dict[str, Any]]:
         """Every worker's timeline spans, all roles (see `WorkerGroup.gather_spans`)."""
-        return [span for group in self.groups.values() for span in group.gather_spans()]
+        return [span for group in self.own() for span in group.gather_spans()]
 
     def shutdown(self) -> None:
         """Close and kill every worker, then release the placement group (the Ray session may outlive the
         run)."""
-        for group in self.groups.values():
+        for group in self.own():
             group.close()
         if self.bundles is not None:
             remove_placement_group(self.bundles)

@@ -17,7 +17,7 @@ plan; Ray placement groups are created from the plan in `rollflow.cluster.groups
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rollflow.errors import ConfigError
@@ -60,6 +60,12 @@ class PlacementPlan:
     devices_per_node: int
     num_nodes: int
     workers: dict[str, list[WorkerPlacement]] = field(default_factory=dict)
+    hosted: dict[str, str] = field(default_factory=dict)  # role -> the role whose workers serve it too
+
+    def host(self, role: str, host: str) -> None:
+        """Plan `role` inside the workers of `host` (a hybrid worker serves both): same places and threads."""
+        self.workers[role] = [replace(w, role=role) for w in self.workers[host]]
+        self.hosted[role] = host
 
     @property
     def placed(self) -> bool:
@@ -101,6 +107,8 @@ class PlacementPlan:
                 node = "-" if w.node is None else str(w.node)
                 devices = ",".join(map(str, w.devices)) or "shared"
                 lines.append(f"{role:<12} {w.index:>6}  {node:>4}  {devices:<16} {w.threads:>7}")
+        for role, host in self.hosted.items():
+            lines.append(f"{role} runs inside the {host} worker with the same index (one process, in turn)")
         groups = self.colocation_groups()
         lines.append("colocated (time-share, offload between phases): "
                      + ("; ".join(" + ".join(g) for g in groups if len(g) > 1) or "none"))

@@ -1,12 +1,14 @@
 """Versioned, checksummed weight transfer from the trainer to inference engines.
 
-Two transports carry the same buckets (tensors grouped in name order, about `bucket_bytes` each):
+Three transports carry the same buckets (tensors grouped in name order, about `bucket_bytes` each):
 
 * `object_store` (default): the trainer's rank 0 puts each bucket in the Ray object store; every engine worker
   fetches them. Works anywhere Ray does, across nodes, CPU or GPU (through host memory).
 * `broadcast`: the trainer's rank 0 and every engine worker form a standalone torch process group (gloo on
   CPU, NCCL on GPUs, so GPU weights go device to device without host copies) and each bucket is broadcast
   as one flat byte buffer; the manifest carries the layout the receivers need to allocate and unpack it.
+* `in_process`: a hybrid worker (`rollflow.workers.hybrid`) holds the trainer and the engine in one process;
+  its engine receives the buckets as they are, checked the same way before they load.
 
 Checksums (CRC-32 over each tensor's name, dtype, shape and raw bytes, in name order: an error-detecting
 code, ~5x faster than a cryptographic hash, which a transfer between our own processes does not need) are
@@ -117,7 +119,7 @@ class WeightManifest:
         layouts: per bucket, the (name, dtype, shape) of each tensor in its flat buffer.
         checksum_mode: one of `CHECKSUM_MODES`.
         bucket_checksums: `bucket` mode: the digest of each bucket, in bucket order; else empty.
-        transport: "object_store" or "broadcast".
+        transport: "object_store", "broadcast" or "in_process".
     """
 
     version: int
@@ -194,8 +196,9 @@ def publish_weights(named_tensors: dict[str, torch.Tensor], version: int, bucket
         checksum: one of `CHECKSUM_MODES` (`checks.weight_checksum`).
         corrupt: flip one byte of the first bucket after the digests are taken (the
             `checks.fault_injection_flip_sync_byte_at` hook; the receiver catches it unless `checksum="off"`).
-        transport: "object_store" (buckets go into the Ray object store now) or "broadcast" (the caller sends
-            the returned buckets with `BroadcastGroup.send` while the engines receive).
+        transport: "object_store" (buckets go into the Ray object store now), "broadcast" (the caller sends
+            the returned buckets with `BroadcastGroup.send` while the engines receive) or "in_process" (a
+            hybrid worker's engine takes the returned buckets in the same process).
 
     Returns:
         (manifest for the engines, the buckets still to send: empty for the object store).

@@ -360,6 +360,13 @@ class ActorInferConfig(RoleConfig):
         default={},
         description="Engine-specific options passed through to the engine, e.g. any `vllm.AsyncEngineArgs` "
                     "or SGLang `ServerArgs` field.")
+    hybrid: bool = Field(
+        default=False,
+        description="Run the engine inside `actor_train`'s worker (a hybrid engine: one process that "
+                    "generates and trains in turn, weights copied and checked in memory) instead of a worker "
+                    "of its own: one process fewer to start and hold, no weight transfer between processes. "
+                    "CPU runs with the `hf` engine, one `torch` trainer and one engine, no `device_mapping`. "
+                    "Ignored by a run without `actor_train` (`rollflow eval`). See [placement.md](placement.md).")
 
     @field_validator("engine")
     @classmethod
@@ -414,6 +421,18 @@ class RolesConfig(Strict):
                 raise ValueError(
                     f"{role}.num_workers is {section.num_workers} but the torch backend trains in one "
                     f"process; set roles.{role}.backend: fsdp2 for data-parallel training")
+        infer, train = self.actor_infer, self.actor_train
+        if infer.hybrid:
+            wrong = [f"{name} ({why})" for name, why, bad in (
+                ("actor_infer.engine", f"{infer.engine!r}, not 'hf'", infer.engine != "hf"),
+                ("actor_train.backend", f"{train.backend!r}, not 'torch'", train.backend != "torch"),
+                ("actor_infer.num_workers", f"{infer.num_workers}, not 1", infer.num_workers != 1),
+                ("actor_infer.device_mapping", "set", infer.device_mapping is not None),
+                ("actor_train.device_mapping", "set", train.device_mapping is not None)) if bad]
+            if wrong:
+                raise ValueError("actor_infer.hybrid runs one hf engine inside the one torch trainer process, "
+                                 f"on CPU without device_mapping; this config has {'; '.join(wrong)}. Set "
+                                 "hybrid: false for separate engine workers")
         lora = self.actor_train.lora
         if lora is not None and self.actor_train.backend != "torch":
             raise ValueError(f"actor_train.lora works with the torch backend only "
@@ -594,6 +613,16 @@ class RunConfigBase(Strict):
             path, value = where
             raise ValueError(f"{'.'.join(path)} is {value}: every number in the config must be finite")
         return tree
+
+    @model_validator(mode="after")
+    def _hybrid_engine_fits(self) -> RunConfigBase:
+        if self.roles.actor_infer.hybrid and self.cluster.device != "cpu":
+            raise ValueError("roles.actor_infer.hybrid is for CPU runs (cluster.device cpu); on GPUs colocate "
+                             "separate engine workers with device_mapping")
+        if self.roles.actor_infer.hybrid and self.cluster.weight_sync_transport != "object_store":
+            raise ValueError("roles.actor_infer.hybrid copies weights inside one process; "
+                             "cluster.weight_sync_transport: broadcast needs separate engine workers")
+        return self
 
     @model_validator(mode="after")
     def _dtype_runs_on_the_device(self) -> RunConfigBase:

@@ -75,9 +75,9 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
     sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
     roles = agentic_roles(config)
 
-    with StopSignals() as stop, running_roles(config, roles, {"actor_train": ("policy_gradient",)},
-                                              manage_ray) as groups, \
-            timeline_written(config.run_dir, began, groups.gather_spans):
+    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
+            running_roles(config, roles, {"actor_train": ("policy_gradient",)}, manage_ray,
+                          worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -144,7 +144,8 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
             tracker.print(f"eval success: {final['initial_eval/success']:.3f} at start -> "
                           f"{final['eval/success']:.3f} after {config.train.steps} steps")
         tracker.close()
-        plot_curves(config.run_dir, ("rollout/return", "rollout/success", "eval/success"))
+    # drawn once the workers stopped: drawing adds nothing to the run's peak memory
+    plot_curves(config.run_dir, ("rollout/return", "rollout/success", "eval/success"))
     return final
 
 

@@ -85,9 +85,16 @@ def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_byt
         sync/ metrics. Raises `WeightSyncError` when an engine worker receives corrupted weights.
     """
     colocation.enter("weight_sync")
+    trainer, engines = groups["actor_train"], groups["actor_infer"]
+    if engines.host == "actor_train":  # a hybrid worker: the engine is in the trainer's process
+        with span("weight_sync"):
+            started = time.perf_counter()
+            synced = trainer.call("sync_engine", bucket_bytes, checksum, corrupt)
+        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": synced["nbytes"],
+                "sync/buckets": synced["num_buckets"], "sync/version": synced["version"],
+                "sync/fetch_seconds_max": 0.0}
     with span("weight_sync"):
         started = time.perf_counter()
-        trainer, engines = groups["actor_train"], groups["actor_infer"]
         manifest = trainer.call("weights_for_sync", bucket_bytes, checksum, corrupt)
         # broadcast transport: the trainer sends while the engines receive (the object store needs no call)
         sending = trainer.handles[0].send_weights.remote() if manifest.transport == "broadcast" else None

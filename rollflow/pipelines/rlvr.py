@@ -87,8 +87,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
     prepared = prepare_run_dir(config)  # before Ray starts: a resume with nothing to resume fails at once
 
-    with StopSignals() as stop, running_roles(config, rlvr_roles(config), role_args, manage_ray) as groups, \
-            timeline_written(config.run_dir, began, groups.gather_spans):
+    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
+            running_roles(config, rlvr_roles(config), role_args, manage_ray, worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -170,7 +170,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
             tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
                           f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
         tracker.close()
-        plot_curves(config.run_dir)
+    # drawn once the workers stopped: drawing adds nothing to the run's peak memory
+    plot_curves(config.run_dir)
     return final
 
 

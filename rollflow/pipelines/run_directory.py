@@ -119,12 +119,14 @@ def read_driver_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def write_placement(path: Path, groups: WorkerGroups) -> None:
-    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices.
+    """Where each worker of each role actually runs (node ids from Ray), next to the plan's devices; a role
+    served by another role's workers (a hybrid engine) says which (`"in": "actor_train"`).
 
     Raises:
         DiskFullError: the disk filled up.
     """
-    placement = {role: [{"worker": p.index, "node": node, "devices": list(p.devices)}
+    placement = {role: [{"worker": p.index, "node": node, "devices": list(p.devices),
+                         **({"in": group.host} if group.host else {})}
                         for p, node in zip(group.placements, group.nodes())]
                  for role, group in groups.items()}
     write_atomically(path, json.dumps(placement, indent=1))

@@ -79,8 +79,8 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
     pad = inputs.tokenizer.pad_token_id
     prepared = prepare_run_dir(config)
     role_args = {"actor_train": (OBJECTIVES[config.pipeline],)}
-    with StopSignals() as stop, running_roles(config, roles, role_args, manage_ray) as groups, \
-            timeline_written(config.run_dir, began, groups.gather_spans):
+    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
+            running_roles(config, roles, role_args, manage_ray, worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)
@@ -144,7 +144,8 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
         tracker.print(describe_eval(f"after {finished['step']} steps", metrics))
         tracker.close()
-        plot_curves(config.run_dir, ("loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy"))
+    # drawn once the workers stopped: drawing adds nothing to the run's peak memory
+    plot_curves(config.run_dir, ("loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy"))
     return final
 
 

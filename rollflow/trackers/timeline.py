@@ -15,7 +15,7 @@ import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +95,29 @@ def typical_step(spans: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next(s for s in later if s["end"] - s["start"] == median)
 
 
+class WorkerSpans:
+    """The workers' spans, taken once just before they stop (`running_roles(..., before_stop=...)`)."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+
+    def take_from(self, groups) -> None:
+        """Take every worker's spans (`WorkerGroups.gather_spans`)."""
+        self.spans = groups.gather_spans()
+
+
 @contextlib.contextmanager
-def timeline_written(run_dir: Path, since: float, gather: Callable[[], list[dict[str, Any]]]) -> Iterator[None]:
+def timeline_written(run_dir: Path, since: float) -> Iterator[WorkerSpans]:
     """On leaving the block, normally or not, write the run's timeline into `run_dir` (when it exists): this
-    process's spans since `since` (`time.time()`) and the workers' (`gather()`, e.g.
-    `WorkerGroups.gather_spans`; enter this after starting the workers, so it runs before they stop). A
-    timeline that cannot be written is a warning, never the run's failure."""
+    process's spans since `since` (`time.time()`) and the workers', which the block hands the yielded
+    `WorkerSpans` before they stop (`running_roles(..., before_stop=spans.take_from)`). Enter it outside
+    `running_roles`: the picture is drawn after the workers stopped, so drawing's imports and memory never add
+    to the run's peak. A timeline that cannot be written is a warning, never the run's failure."""
+    workers = WorkerSpans()
     try:
-        yield
+        yield workers
     finally:
-        spans = [s for s in take() if s["end"] >= since] + gather()
+        spans = [s for s in take() if s["end"] >= since] + workers.spans
         if Path(run_dir).is_dir():
             try:
                 write_timeline(run_dir, spans)

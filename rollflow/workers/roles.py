@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,9 @@ ROLE_WORKERS.register("reference")("rollflow.workers.reference:ReferenceWorker")
 ROLE_WORKERS.register("critic")("rollflow.workers.critic:CriticWorker")
 ROLE_WORKERS.register("reward")("rollflow.workers.reward:RewardWorker")
 ROLE_WORKERS.register("env")("rollflow.workers.env:EnvWorker")
+
+# The worker that serves actor_train and actor_infer in one process (`roles.actor_infer.hybrid`).
+HYBRID_WORKER = "rollflow.workers.hybrid:HybridWorker"
 
 # Roles whose workers hold a training backend: their ranks meet at rank 0's address, then build it together.
 TRAINER_ROLES = ("actor_train", "critic", "reference")
@@ -74,8 +77,19 @@ def role_specs(config: RunConfigBase, roles: Sequence[str]) -> dict[str, RoleCon
 
 def plan_roles(config: RunConfigBase, roles: Sequence[str], devices_per_node: int,
                num_nodes: int = 1) -> PlacementPlan:
-    """The validated placement plan of `roles` on a cluster of `num_nodes` x `devices_per_node` devices."""
-    return plan_placement(role_specs(config, roles), config.cluster.device, devices_per_node, num_nodes)
+    """The validated placement plan of `roles` on a cluster of `num_nodes` x `devices_per_node` devices. A
+    hybrid engine is planned inside actor_train's worker."""
+    hybrid = is_hybrid(config, roles)
+    specs = {role: spec for role, spec in role_specs(config, roles).items() if not (hybrid and role == "actor_infer")}
+    plan = plan_placement(specs, config.cluster.device, devices_per_node, num_nodes)
+    if hybrid:
+        plan.host("actor_infer", "actor_train")
+    return plan
+
+
+def is_hybrid(config: RunConfigBase, roles: Sequence[str]) -> bool:
+    """Whether actor_train's worker serves actor_infer too (`roles.actor_infer.hybrid`, both roles run)."""
+    return config.roles.actor_infer.hybrid and "actor_train" in roles and "actor_infer" in roles
 
 
 def describe_plan(config: RunConfigBase, roles: Sequence[str]) -> str:
@@ -114,7 +128,12 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
     groups = WorkerGroups(plan, reserve_bundles(plan), timeout_s=config.cluster.watchdog_s)
     try:
         for role in roles:
-            groups.spawn(role, import_object(ROLE_WORKERS[role]), config, *(role_args or {}).get(role, ()))
+            if role in plan.hosted:  # served by its host's workers
+                continue
+            worker = HYBRID_WORKER if role in plan.hosted.values() else ROLE_WORKERS[role]
+            groups.spawn(role, import_object(worker), config, *(role_args or {}).get(role, ()))
+        for role, host in plan.hosted.items():
+            groups.host(role, host)
         groups.wait_ready()
         _init_backends([groups[role] for role in TRAINER_ROLES if role in groups])
         if config.cluster.weight_sync_transport == "broadcast":
@@ -127,13 +146,16 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
 
 @contextlib.contextmanager
 def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mapping[str, tuple[Any, ...]] | None = None,
-                  manage_ray: bool = True) -> Iterator[WorkerGroups]:
+                  manage_ray: bool = True, before_stop: Callable[[WorkerGroups], None] | None = None
+                  ) -> Iterator[WorkerGroups]:
     """Start Ray (if managed) and `roles`; on the way out, normal or not, stop them all. Says on stdout what
     it starts, and when it is ready.
 
     Args:
         manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
             Ray session and leaves it up (tests run many short runs in one session).
+        before_stop: called with the started workers just before they stop (e.g. to take their timeline
+            spans).
     """
     if manage_ray:
         where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
@@ -150,7 +172,11 @@ def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mappin
         yield groups
     finally:
         if groups is not None:
-            groups.shutdown()
+            try:
+                if before_stop is not None:
+                    before_stop(groups)
+            finally:
+                groups.shutdown()
         if manage_ray:
             stop_ray()
 
@@ -161,6 +187,8 @@ def describe_roles(config: RunConfigBase, roles: Sequence[str]) -> str:
     for role in roles:
         spec = config.roles.of(role)
         what = spec.backend if role in TRAINER_ROLES else spec.engine if role == "actor_infer" else None
+        if role == "actor_infer" and is_hybrid(config, roles):
+            what += ", inside actor_train"
         parts.append(f"{role} x{spec.num_workers}" + (f" ({what})" if what else ""))
     return ", ".join(parts)
 

@@ -28,33 +28,18 @@ class RolloutWorker(PlacedWorker):
 
     def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
         super().__init__(placement, config.cluster.device)
-        role = config.roles.actor_infer
         self.worker_index = placement.index
         self.device = config.cluster.device
         self.broadcast: BroadcastGroup | None = None
-        # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
-        on_device = role.engine == "hf" and "device" not in role.engine_kwargs
-        device = {"device": torch_device(config)} if on_device else {}
-        self.engine = create_engine(
-            role.engine, model_path=config.model.path, dtype=config.model.dtype,
-            max_batch_size=role.max_batch_size,
-            # 32 bits: vLLM and SGLang also seed numpy's global generator, which takes only [0, 2**32)
-            seed=derive_seed(config.seed, "engine", self.worker_index, bits=32),
-            trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
-        )
+        self.engine = build_engine(config, self.worker_index)
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        completion = await self.engine.generate(request)
-        completion.metadata["worker"] = self.worker_index
-        return completion
+        return await generate_one(self.engine, request, self.worker_index)
 
     async def generate_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Every request of `requests`, queued together in this order (so they share the engine's batches
         the same way on every run: the scheduler's deterministic mode)."""
-        completions = await asyncio.gather(*[self.engine.generate(request) for request in requests])
-        for completion in completions:
-            completion.metadata["worker"] = self.worker_index
-        return list(completions)
+        return await generate_together(self.engine, requests, self.worker_index)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.engine.abort(request_ids)
@@ -104,3 +89,29 @@ class RolloutWorker(PlacedWorker):
     async def close(self) -> None:
         """Shut the engine down (its threads, its GPU memory) before the actor is killed."""
         self.engine.close()
+
+
+def build_engine(config: RunConfigBase, worker_index: int):
+    """The engine `roles.actor_infer` configures, for engine worker `worker_index` (its sampling seed)."""
+    role = config.roles.actor_infer
+    # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
+    on_device = role.engine == "hf" and "device" not in role.engine_kwargs
+    device = {"device": torch_device(config)} if on_device else {}
+    return create_engine(
+        role.engine, model_path=config.model.path, dtype=config.model.dtype, max_batch_size=role.max_batch_size,
+        # 32 bits: vLLM and SGLang also seed numpy's global generator, which takes only [0, 2**32)
+        seed=derive_seed(config.seed, "engine", worker_index, bits=32),
+        trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
+    )
+
+
+async def generate_one(engine, request: GenerationRequest, worker_index: int) -> Completion:
+    """`engine.generate(request)`, its completion tagged with the engine worker that sampled it."""
+    completion = await engine.generate(request)
+    completion.metadata["worker"] = worker_index
+    return completion
+
+
+async def generate_together(engine, requests: list[GenerationRequest], worker_index: int) -> list[Completion]:
+    """Every request queued on `engine` together, in this order; completions in the same order."""
+    return list(await asyncio.gather(*[generate_one(engine, request, worker_index) for request in requests]))

@@ -24,7 +24,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
     from rollflow.pipelines.rlvr import run_rlvr
 
-    overrides = [*FAST, f"name={name}", f"output.dir={tmp_path}", *overrides]
+    # separate engine workers (the quickstart's hybrid engine needs one torch trainer and no device_mapping)
+    overrides = [*FAST, f"name={name}", f"output.dir={tmp_path}", "roles.actor_infer.hybrid=false", *overrides]
     config = load_config("examples/quickstart.yaml", overrides)
     run_rlvr(config, manage_ray=False)
     placement = json.loads((tmp_path / name / "placement.json").read_text())
@@ -117,6 +118,6 @@ def test_roles_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
 
 
 # FSDP2 rank 0 on node 0 and rank 1 on node 1 (gloo across nodes), one engine on each node.
-MULTI_NODE_ROLES = ["roles.actor_train.backend=fsdp2", "roles.actor_train.num_workers=2",
+MULTI_NODE_ROLES = ["roles.actor_infer.hybrid=false", "roles.actor_train.backend=fsdp2", "roles.actor_train.num_workers=2",
                     "roles.actor_train.device_mapping=[0,1]", "roles.actor_infer.num_workers=2",
                     "roles.actor_infer.device_mapping=[0,1]"]

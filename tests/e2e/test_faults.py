@@ -105,7 +105,7 @@ def test_an_engine_whose_decoding_fails_ends_the_run_in_one_line(ray_session, tm
 
 CLI_RUN = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
            "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]", "checks.logprob_parity_samples=0",
-           "output.save_every_steps=1", "name=killed"]
+           "output.save_every_steps=1", "name=killed", "roles.actor_infer.hybrid=false"]  # an engine process
 EXITS_WITHIN_S = 30  # after the kill
 
 

@@ -76,9 +76,10 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert _changed_tensors(model_dir, run_dir / "checkpoints" / "step_4" / "model") > 0
 
 
-def _check_timeline(run_dir: Path) -> None:
+def _check_timeline(run_dir: Path, hybrid: bool = True) -> None:
     """timeline.json has a lane per worker of placement.json, with each phase a step runs there, and every
-    worker span of a step inside that step's driver span; timeline.png exists."""
+    worker span of a step inside that step's driver span; timeline.png exists. `hybrid`: the engine runs in
+    actor_train's process (the quickstart), its spans in a lane of its own all the same."""
     events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     names: dict[str, set] = {}
@@ -90,8 +91,14 @@ def _check_timeline(run_dir: Path) -> None:
     assert set(names) == workers | {"driver"}, names
     assert {"check inputs", "start ray", "start workers", "eval", "step", "rollout", "actor_train", "weight_sync",
             "log", "checkpoint"} <= names["driver"]
-    assert {"start", "init_backend", "compute_logprobs", "train", "weights_for_sync", "save"} <= names["actor_train 0"]
-    assert {"start", "generate_batch", "update_weights", "offload", "onload"} <= names["actor_infer 0"]
+    assert {"start", "init_backend", "compute_logprobs", "train", "save"} <= names["actor_train 0"]
+    if hybrid:
+        assert placement["actor_infer"][0]["in"] == "actor_train"
+        assert names["actor_infer 0"] == {"generate_batch", "sync_engine"}
+        assert not {"generate_batch", "sync_engine", "weights_for_sync"} & names["actor_train 0"]
+    else:
+        assert "weights_for_sync" in names["actor_train 0"]
+        assert {"start", "generate_batch", "update_weights", "offload", "onload"} <= names["actor_infer 0"]
     steps = [e for e in events if e["name"] == "step"]
     trains = [e for e in events if e["name"] == "train"]
     assert len(steps) == len(trains) == 2
@@ -139,6 +146,7 @@ def test_user_model_dataset_and_dotted_path_reward(tmp_path):
     assert rows[1]["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert rows[2]["actor/kl"] >= 0.0  # > 0 unless step 1 had all-zero advantages (no update)
     assert _changed_tensors(model_dir, tmp_path / "user" / "checkpoints" / "step_2" / "model") > 0
+    _check_timeline(tmp_path / "user", hybrid=False)  # separate engine worker, and a reference worker
 
 
 def test_eval_command_scores_a_model(tmp_path):
