@@ -123,6 +123,35 @@ REAPER_PROGRAM = ("import importlib.util, sys\n"
 
 _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this process started
 
+# Ray runs the function this variable names (a module path) in each worker process before its first task (what
+# `runtime_env={"worker_process_setup_hook": ...}` sets; set directly, a local Ray's workers inherit it without
+# a runtime env). Ray internals: a Ray that does not know it ignores it.
+WORKER_SETUP_HOOK_VARIABLE = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+WORKER_SETUP_HOOK = "rollflow.cluster.runtime.lean_process"
+
+
+def lean_process() -> None:
+    """Keep Ray from importing pyarrow into this process (~40 MB of RSS in each of the driver and every worker).
+
+    Ray registers serializers for Arrow data in every process, importing pyarrow to do so whenever it is
+    installed (the `data` extra's `datasets` installs it). Workers never pass Arrow objects between each other,
+    so registration is left to processes that imported pyarrow themselves. Called in the driver before Ray
+    starts and, as Ray's worker setup hook, in every worker of a local Ray."""
+    try:
+        from ray._private import arrow_serialization
+    except ImportError:
+        return
+    register = arrow_serialization._register_custom_datasets_serializers
+    if getattr(register, "only_when_loaded", False):
+        return
+
+    def register_when_loaded(context) -> None:
+        if "pyarrow" in sys.modules:  # an Arrow object can only exist once pyarrow is imported
+            register(context)
+
+    register_when_loaded.only_when_loaded = True
+    arrow_serialization._register_custom_datasets_serializers = register_when_loaded
+
 
 def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Start a local Ray (no dashboard, no usage stats) or join the cluster at `address`.
@@ -149,6 +178,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING, log_to_driver=True)
     else:
+        lean_process()
+        os.environ.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
         # address="local": always a new local instance, never a stray cluster another process left running
         with _lean_head_node():
             # no runtime_env: the local raylet and its workers inherit RAY_ENV from this process, and a job
