@@ -387,7 +387,8 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("sync/buckets", COUNT,
                    "Buckets the weights were sent in (`cluster.weight_sync_bucket_mb`)."),
             Metric("sync/fetch_seconds_max", SECONDS,
-                   "The slowest engine worker's time to receive the weights."),
+                   "The slowest engine worker's time to receive the weights (0 with a hybrid engine: "
+                   "nothing travels)."),
         ),
     ),
     MetricGroup(
