@@ -56,7 +56,7 @@ class ColocationManager:
 
     def __post_init__(self):
         # a role served by another role's workers (a hybrid engine) moves with them, never on its own
-        self.resident = {role: True for role, group in self.groups.items() if getattr(group, "host", None) is None}
+        self.resident = {role: True for role, group in self.groups.items() if group.host is None}
 
     def enter(self, phase: str) -> None:
         """Offload / onload what `phase` needs, all workers of a role in parallel.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -177,13 +176,13 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
                                         timeout_s=self.timeout_s)
         return self.groups[role]
 
-    def host(self, role: str, host: str) -> WorkerGroup:
-        """Make `role` a second name for the workers of `host` (hybrid workers that serve both roles): calls
-        on either group reach the same actors, which start, report spans and shut down once, as `host`."""
-        hosting = self.groups[host]
-        self.groups[role] = WorkerGroup(role, hosting.handles,
-                                        [replace(p, role=role) for p in hosting.placements],
-                                        self.timeout_s, host=host)
+    def host(self, role: str) -> WorkerGroup:
+        """Make `role` a second name for the workers of the role the plan hosts it in (`PlacementPlan.host`:
+        hybrid workers that serve both roles): calls on either group reach the same actors, which start,
+        report spans and shut down once, as the host."""
+        host = self.plan.hosted[role]
+        self.groups[role] = WorkerGroup(role, self.groups[host].handles, self.plan.workers[role], self.timeout_s,
+                                        host=host)
         return self.groups[role]
 
     def own(self) -> list[WorkerGroup]:

@@ -14,8 +14,6 @@ the lane `actor_infer <index>` of the timeline, the trainer's in `actor_train <i
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from rollflow.cluster.placement import WorkerPlacement
@@ -45,19 +43,18 @@ class HybridWorker(PlacedWorker):
         super().__init__(placement, config.cluster.device)
         self.trainer = ActorTrainWorker(placement, config, objective)
         self.engine = build_engine(config, placement.index)
-        self.index = placement.index
 
     def _span_lane(self, method: str) -> str | None:
         """The timeline lane of `method`'s spans (`rollflow.spans.traced`): the engine's own lane."""
-        return f"actor_infer {self.index}" if method in ENGINE_METHODS else None
+        return f"actor_infer {self.placement.index}" if method in ENGINE_METHODS else None
 
     # ---- actor_infer -----------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Completion:
-        return await generate_one(self.engine, request, self.index)
+        return await generate_one(self.engine, request, self.placement.index)
 
     async def generate_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Every request queued together, in this order (see `RolloutWorker.generate_batch`)."""
-        return await generate_together(self.engine, requests, self.index)
+        return await generate_together(self.engine, requests, self.placement.index)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.engine.abort(request_ids)
@@ -66,7 +63,7 @@ class HybridWorker(PlacedWorker):
         """The policy version the engine holds."""
         return self.engine.version
 
-    def sync_engine(self, bucket_bytes: int, checksum: str = "bucket", corrupt: bool = False) -> dict[str, float]:
+    def sync_engine(self, bucket_bytes: int, checksum: str = "bucket", corrupt: bool = False) -> dict[str, int]:
         """Load the trainer's current weights into the engine: split and checksummed as for any transport,
         verified bucket by bucket, then copied into the engine's model (`in_process` transport).
 
@@ -74,12 +71,11 @@ class HybridWorker(PlacedWorker):
             bucket_bytes, checksum, corrupt: as `ActorTrainWorker.weights_for_sync`.
 
         Returns:
-            The new `version`, `nbytes`, `num_buckets` and the `seconds` it took.
+            The new `version`, `nbytes` and `num_buckets`.
 
         Raises:
             WeightSyncError: a bucket that does not match its checksum (`corrupt`), or a missing tensor.
         """
-        started = time.perf_counter()
         self.trainer.require_resident("sync_engine")
         manifest, buckets = publish_weights(self.trainer.backend.named_weights(), self.trainer.version,
                                             bucket_bytes, checksum=checksum, corrupt=corrupt,
@@ -88,8 +84,7 @@ class HybridWorker(PlacedWorker):
         for bucket in buckets:
             receiver.add(bucket)
         self.engine.update_weights(receiver.finish(), manifest.version)
-        return {"version": manifest.version, "nbytes": manifest.nbytes, "num_buckets": manifest.num_buckets,
-                "seconds": time.perf_counter() - started}
+        return {"version": manifest.version, "nbytes": manifest.nbytes, "num_buckets": manifest.num_buckets}
 
     # ---- actor_train -----------------------------------------------------------------------------------
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:

@@ -132,8 +132,8 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
                 continue
             worker = HYBRID_WORKER if role in plan.hosted.values() else ROLE_WORKERS[role]
             groups.spawn(role, import_object(worker), config, *(role_args or {}).get(role, ()))
-        for role, host in plan.hosted.items():
-            groups.host(role, host)
+        for role in plan.hosted:
+            groups.host(role)
         groups.wait_ready()
         _init_backends([groups[role] for role in TRAINER_ROLES if role in groups])
         if config.cluster.weight_sync_transport == "broadcast":

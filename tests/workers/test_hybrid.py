@@ -101,7 +101,7 @@ def test_hosted_groups_start_stop_and_move_with_their_host():
     handle = object()  # never called: nothing in this test may reach a worker
     groups.groups["actor_train"] = WorkerGroup("actor_train", [handle], plan.workers["actor_train"])
     groups.groups["reference"] = WorkerGroup("reference", [object()], plan.workers["reference"])
-    engines = groups.host("actor_infer", "actor_train")
+    engines = groups.host("actor_infer")
     assert engines.handles == [handle] and engines.host == "actor_train"
     assert [p.role for p in engines.placements] == ["actor_infer"]
     assert [group.role for group in groups.own()] == ["actor_train", "reference"]  # closed, asked for spans once
