@@ -122,6 +122,7 @@ REAPER_PROGRAM = ("import importlib.util, sys\n"
                   "module.reap_after_driver(int(sys.argv[2]), sys.argv[3])\n")
 
 _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this process started
+_log_monitor: DriverLogMonitor | None = None  # the log monitor thread of the local Ray this process started
 
 # Ray runs the function this variable names (a module path) in each worker process before its first task (what
 # `runtime_env={"worker_process_setup_hook": ...}` sets; set directly, a local Ray's workers inherit it without
@@ -159,7 +160,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     A local Ray gets a reaper (see the module docstring), so none of its processes outlives this one. A SIGTERM
     handler this process installed before (e.g. `StopSignals`) is kept.
     """
-    global _reaper
+    global _reaper, _log_monitor
     import ray
 
     if ray.is_initialized():
@@ -181,29 +182,42 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         lean_process()
         os.environ.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
         # address="local": always a new local instance, never a stray cluster another process left running
-        with _lean_head_node():
+        with _lean_head_node() as head:
             # no runtime_env: the local raylet and its workers inherit RAY_ENV from this process, and a job
             # runtime env costs every worker start a round trip to Ray's runtime-env agent (~0.3 s)
             context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                                logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+        if head.skipped_log_monitor:
+            _log_monitor = DriverLogMonitor(context.address_info)
+            _log_monitor.start()
         if os.path.isdir("/proc"):  # the reaper finds the session's processes there (Linux)
             _reaper = start_reaper(context.address_info["session_dir"])
     if callable(sigterm_handler):
         signal.signal(signal.SIGTERM, sigterm_handler)
 
 
+class _HeadNode:
+    # not a dataclass: the reaper loads this file outside sys.modules, where dataclasses cannot resolve it
+    skipped_log_monitor = False  # its work is the driver's to do (`DriverLogMonitor`)
+
+
 @contextlib.contextmanager
-def _lean_head_node() -> Iterator[None]:
-    """Start a local Ray without the two head processes a single-node run never uses: the autoscaler monitor
-    (a fixed instance has nothing to scale) and the dashboard's API server (no dashboard, job or state API is
-    used). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for either, so the head node is
-    adjusted while `ray.init` builds it; with a Ray whose internals differ, nothing changes."""
+def _lean_head_node() -> Iterator[_HeadNode]:
+    """Start a local Ray without three head processes a single-node run does not need: the autoscaler monitor
+    (a fixed instance has nothing to scale), the dashboard's API server (no dashboard, job or state API is
+    used) and the log monitor (its work, forwarding workers' output to the console, runs as a thread of the
+    driver instead: `DriverLogMonitor`). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for
+    any of them, so the head node is adjusted while `ray.init` builds it; with a Ray whose internals differ,
+    nothing changes."""
+    head = _HeadNode()
     try:
         from ray._private import node
+        from ray._private.log_monitor import LogMonitor  # noqa: F401 -- the thread needs it; else keep Ray's
     except ImportError:
-        yield
+        yield head
         return
     original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
+    original_log_monitor = node.Node.start_log_monitor
 
     def init(self, ray_params, *args, **kwargs):
         if hasattr(ray_params, "no_monitor"):
@@ -215,18 +229,70 @@ def _lean_head_node() -> Iterator[None]:
             return original_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
         self._webui_url = None
 
+    def start_log_monitor(self):
+        head.skipped_log_monitor = True
+
     node.Node.__init__, node.Node.start_api_server = init, start_api_server
+    node.Node.start_log_monitor = start_log_monitor
     try:
-        yield
+        yield head
     finally:
         node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
+        node.Node.start_log_monitor = original_log_monitor
+
+
+class DriverLogMonitor(threading.Thread):
+    """Ray's log monitor as a thread of the driver rather than a process of its own (~80 MB of RSS saved).
+
+    It runs Ray's own `LogMonitor` (the same files tailed, the same messages published to the driver, which
+    prints them as before: `(ActorTrainWorker pid=...) ...`), polling every 0.1 s while nothing is new, and
+    ends with the Ray session (`stop`)."""
+
+    POLL_S = 0.1
+
+    def __init__(self, address_info: dict) -> None:
+        super().__init__(name="rollflow-log-monitor", daemon=True)
+        self._address_info = address_info
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        from ray._private.log_monitor import LogMonitor, is_proc_alive
+        from ray._raylet import GcsClient
+
+        info = self._address_info
+        try:
+            monitor = LogMonitor(info["node_ip_address"], os.path.join(info["session_dir"], "logs"),
+                                 GcsClient(address=info["gcs_address"]), is_proc_alive)
+            names_updated = 0.0
+            while not self._stop_event.is_set():
+                if monitor.should_update_filenames(names_updated):
+                    monitor.update_log_filenames()
+                    names_updated = time.time()
+                monitor.open_closed_files()
+                if not monitor.check_log_files_and_publish_updates():
+                    self._stop_event.wait(self.POLL_S)
+            monitor.update_log_filenames()  # what the workers wrote since the last poll
+            monitor.open_closed_files()
+            monitor.check_log_files_and_publish_updates()
+        except Exception as error:  # workers' output stops reaching the console; the run itself is unaffected
+            if not self._stop_event.is_set():
+                print(f"rollflow: workers' output no longer reaches this console ({type(error).__name__}: "
+                      f"{error}); it is still written under {info.get('session_dir')}/logs", file=sys.stderr)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Publish what is left of the workers' output, then end (before Ray shuts down its GCS)."""
+        self._stop_event.set()
+        self.join(timeout_s)
 
 
 def stop_ray() -> None:
     """Shut Ray down; for a local instance, then have its reaper end whatever of it is left (bounded wait)."""
-    global _reaper
+    global _reaper, _log_monitor
     import ray
 
+    if _log_monitor is not None:
+        _log_monitor.stop()
+        _log_monitor = None
     if ray.is_initialized():
         ray.shutdown()
     if _reaper is not None:

@@ -9,7 +9,8 @@ helper bounds a request with its own `setitimer` alarm (it *is* a main thread), 
 work cheaply; the caller waits at most `timeout_s + KILL_GRACE_S` and otherwise kills the helper
 (SIGKILL) and starts a fresh one on next use. A helper also caps its address space and dies with its parent.
 
-Run as `python -m rollflow.rewards.math_verifier` it is the helper's main loop.
+A helper loads this file by itself (`HELPER_PROGRAM`), not as part of the rollflow package: it imports
+math-verify and the standard library, nothing of rollflow's (~4 MB and ~0.15 s less per helper).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 KILL_GRACE_S = 0.5  # how long past its own alarm we wait for a helper before killing it
 STARTUP_TIMEOUT_S = 60.0  # importing sympy + math-verify on a loaded 2-core machine
 HELPER_MEMORY_BYTES = 2 << 30  # address-space cap for a helper: a runaway bigint fails with MemoryError
+# The helper's program: this file as a module of its own (registered, so its dataclasses resolve). argv: file.
+HELPER_PROGRAM = ("import importlib.util, sys\n"
+                  "spec = importlib.util.spec_from_file_location('rollflow_math_verify_helper', sys.argv[1])\n"
+                  "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+                  "spec.loader.exec_module(module)\n"
+                  "module._helper_main()\n")
 
 
 @dataclass
@@ -59,7 +66,7 @@ class _Helper:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
         env["PYTHONUNBUFFERED"] = "1"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rollflow.rewards.math_verifier"],
+            [sys.executable, "-c", HELPER_PROGRAM, os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -294,6 +301,3 @@ def _helper_main() -> None:
         out.write(json.dumps(reply) + "\n")
         out.flush()
 
-
-if __name__ == "__main__":
-    _helper_main()
