@@ -1,6 +1,6 @@
 """The agentic pipeline end to end through Ray: StarPO on FrozenLake, GiGPO on Sokoban (and GiGPO on FrozenLake
 in examples/agentic_frozenlake.yaml), a GEM game through
-the adapter, the python-tool env with the sandbox, env faults (raising and hanging steps), asynchronous
+the adapter, the python-tool env with the sandbox (on a hybrid engine), env faults (raising and hanging steps), asynchronous
 groups, and the CLI.
 
 The runs share one Ray session (`ray_session`) and run in-process (`manage_ray=False`); each costs a few
@@ -69,13 +69,17 @@ def test_gigpo_with_turn_ratios_on_sokoban_trajectories_asynchronously(ray_sessi
     assert all(row["rollout/groups"] == 2 for row in rows[1:])
 
 
-def test_countdown_with_the_python_tool_runs_in_the_sandbox(ray_session, tmp_path):
+def test_countdown_with_the_python_tool_runs_in_the_sandbox_on_a_hybrid_engine(ray_session, tmp_path):
     _, rows = _run(
         tmp_path, "countdown", "env.id=countdown", "env.kwargs={max_turns: 3, tool_reward: 0.1}",
         "env.max_turns=3", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24",
-        "train.steps=1")
+        "train.steps=2", "roles.actor_infer.hybrid=true")
     _finite(rows)
     assert rows[1]["train/samples"] == 4 and rows[1]["rollout/turns"] >= 1
+    # the engine inside actor_train's worker got each step's weights, in memory
+    assert [row["sync/version"] for row in rows[1:]] == [1, 2] and rows[1]["sync/fetch_seconds_max"] == 0
+    placement = json.loads((tmp_path / "countdown" / "placement.json").read_text())
+    assert [worker.get("in") for worker in placement["actor_infer"]] == ["actor_train"], placement
 
 
 def test_a_gem_game_runs_through_the_adapter(ray_session, tmp_path):
