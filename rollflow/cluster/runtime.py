@@ -165,7 +165,10 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
-    if _reaper is not None:  # the previous local Ray was shut down without `stop_ray`
+    if _log_monitor is not None:  # the previous local Ray was shut down without `stop_ray`
+        _log_monitor.stop()
+        _log_monitor = None
+    if _reaper is not None:
         stop_reaper(_reaper)
         _reaper = None
     os.environ.update({k: v for k, v in RAY_ENV.items() if k not in os.environ})
