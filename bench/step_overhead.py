@@ -186,9 +186,11 @@ def main() -> None:
                                           run_trl(args.trl, 64, args.steps_large, memory))
     memory = {name: measure(True) for name, measure in versions.items()}  # the round that samples memory
     rounds: dict[str, list] = {name: [] for name in versions}
-    for _ in range(args.rounds):  # interleaved, so a slow minute of the machine hits every version alike
-        for name, measure in versions.items():
-            rounds[name].append(measure(False))
+    order = list(versions)
+    for round_index in range(args.rounds):  # interleaved, so a slow minute of the machine hits every version alike
+        # and rotated: no version always runs first in a round, right after another version's 64 x 8 run
+        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+            rounds[name].append(versions[name](False))
     line: dict = {"machine_cpus": os.cpu_count(), **summary(rounds["after"], memory["after"])}
     for name in ("before", "trl"):
         if name in rounds:

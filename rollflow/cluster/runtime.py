@@ -26,8 +26,9 @@ RAY_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # rollflow assigns devices to workers itself (placement plan); Ray must not hide GPUs from 0-GPU actors.
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-    # No idle Python workers started ahead of demand: rollflow's actors never reuse them (each actor gets a
-    # fresh process), so they only cost start-up CPU and ~80 MB each.
+    # No idle Python workers started ahead of demand: Ray starts one per CPU, more than a run has actors on a
+    # big machine, and each costs start-up CPU and ~80 MB (an actor can take one over, but is started at once
+    # after Ray anyway).
     "RAY_num_prestart_python_workers": "0",
     "RAY_prestart_worker_first_driver": "0",
     # glibc's default of 8 malloc arenas per core grows a many-threaded worker's memory for nothing (~15 MB)
