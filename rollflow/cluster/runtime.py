@@ -115,10 +115,12 @@ def free_port() -> int:
 
 REAPER_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 DRIVER_POLL_S = 1.0  # how often the reaper checks that the driver lives (besides the end of its pipe)
-# The reaper's program: load this file (not the package) and wait for the driver. argv: file, driver, session.
+# The reaper's program: load this file (not the package) as a module of its own, registered so that its
+# dataclasses resolve, and wait for the driver. argv: file, driver, session. (math_verifier.HELPER_PROGRAM
+# loads its file the same way; the layering keeps rewards/ from importing this one.)
 REAPER_PROGRAM = ("import importlib.util, sys\n"
                   "spec = importlib.util.spec_from_file_location('rollflow_ray_reaper', sys.argv[1])\n"
-                  "module = importlib.util.module_from_spec(spec)\n"
+                  "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
                   "spec.loader.exec_module(module)\n"
                   "module.reap_after_driver(int(sys.argv[2]), sys.argv[3])\n")
 
@@ -201,7 +203,6 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 class _HeadNode:
-    # not a dataclass: the reaper loads this file outside sys.modules, where dataclasses cannot resolve it
     skipped_log_monitor = False  # its work is the driver's to do (`DriverLogMonitor`)
 
 
@@ -216,10 +217,15 @@ def _lean_head_node() -> Iterator[_HeadNode]:
     head = _HeadNode()
     try:
         from ray._private import node
-        from ray._private.log_monitor import LogMonitor  # noqa: F401 -- the thread needs it; else keep Ray's
     except ImportError:
         yield head
         return
+    try:
+        from ray._private.log_monitor import LogMonitor  # noqa: F401 -- what the thread runs
+    except ImportError:  # no thread to run it: keep Ray's process
+        replace_log_monitor = False
+    else:
+        replace_log_monitor = True
     original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
     original_log_monitor = node.Node.start_log_monitor
 
@@ -237,7 +243,8 @@ def _lean_head_node() -> Iterator[_HeadNode]:
         head.skipped_log_monitor = True
 
     node.Node.__init__, node.Node.start_api_server = init, start_api_server
-    node.Node.start_log_monitor = start_log_monitor
+    if replace_log_monitor:
+        node.Node.start_log_monitor = start_log_monitor
     try:
         yield head
     finally:

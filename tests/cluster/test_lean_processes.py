@@ -23,7 +23,7 @@ class Probe:
 def test_a_worker_of_a_local_ray_does_not_import_pyarrow(ray_session):
     pytest.importorskip("pyarrow")  # installed with the `data` extra: only then is there anything to avoid
     assert os.environ[WORKER_SETUP_HOOK_VARIABLE] == WORKER_SETUP_HOOK
-    probe = Probe.remote()  # a fresh process: an actor never reuses a task's worker
+    probe = Probe.remote()  # a worker process of this session: every one runs the hook when it starts
     try:
         assert ray.get(probe.loaded.remote(), timeout=60) == ["rollflow"]  # the hook ran, pyarrow stayed out
     finally:
