@@ -48,7 +48,7 @@ def resolve_model_path(path: str) -> str:
 
 
 def check_model_files(path: str) -> str:
-    """What the driver checks of a model before any worker loads it: a local directory has weights and a
+    """What the driver checks of a model before a run's first step: a local directory has weights and a
     tokenizer; a hub id is in the local Hugging Face cache or the hub answers (transformers would otherwise
     retry for ~50 s, printing each retry, before failing).
 

@@ -14,6 +14,8 @@ CPUs, time-share the machine and pin their torch threads to their share.
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,11 +32,16 @@ from rollflow.spans import traced
 
 START_TIMEOUT_S = 1800.0  # a worker that has not built its model by then is stuck (big models load for minutes)
 CLOSE_TIMEOUT_S = 30.0  # how long shutdown waits for a worker's close() before killing it anyway
+CANCEL_POLL_S = 0.2  # how often a cancellable wait for starting workers looks whether it was cancelled
 SPANS_TIMEOUT_S = 10.0  # how long the end of a run waits for a worker's timeline spans
 
 
 class WorkerStartError(RollflowError):
     """A worker's constructor failed (bad model path, missing API key, ...) or it never became ready."""
+
+
+class StartCancelled(Exception):
+    """Raised by a wait for workers to start once its caller cancelled the start (`wait_ready(cancelled=...)`)."""
 
 
 class WorkerGroup:
@@ -98,16 +105,27 @@ class WorkerGroup:
         """The Ray node id each worker runs on."""
         return self.get([handle.node_id.remote() for handle in self.handles], "node_id")
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Block until every worker's constructor has run.
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, cancelled: threading.Event | None = None) -> None:
+        """Block until every worker's constructor has run; the first constructor to fail raises at once.
+
+        Args:
+            cancelled: when set (checked every `CANCEL_POLL_S`), stop waiting and raise `StartCancelled`.
 
         Raises:
             WorkerStartError: one line with the constructor's own error (not Ray's traceback), or a timeout.
         """
+        pending = [handle.__ray_ready__.remote() for handle in self.handles]
+        deadline = time.monotonic() + timeout_s
         try:
-            ray.get([handle.__ray_ready__.remote() for handle in self.handles], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerStartError(f"{self.role} workers did not start within {timeout_s:.0f} s") from None
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WorkerStartError(f"{self.role} workers did not start within {timeout_s:.0f} s")
+                ready, pending = ray.wait(pending, num_returns=1,
+                                          timeout=min(remaining, CANCEL_POLL_S) if cancelled else remaining)
+                ray.get(ready)
+                if cancelled is not None and cancelled.is_set():
+                    raise StartCancelled
         except ray.exceptions.RayError as error:
             raise WorkerStartError(f"{self.role}: a worker failed to start: {root_cause(error)}") from None
 
@@ -189,20 +207,26 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
         """The groups of workers of their own (not hosted by another role's)."""
         return [group for group in self.groups.values() if group.host is None]
 
-    def wait_ready(self) -> None:
-        """Wait for every group's workers (all constructors run concurrently); the first failure raises."""
+    def wait_ready(self, cancelled: threading.Event | None = None) -> None:
+        """Wait for every group's workers (all constructors run concurrently); the first failure raises.
+        `cancelled`: see `WorkerGroup.wait_ready`."""
         for group in self.own():
-            group.wait_ready()
+            group.wait_ready(cancelled=cancelled)
 
     def gather_spans(self) -> list[dict[str, Any]]:
         """Every worker's timeline spans, all roles (see `WorkerGroup.gather_spans`)."""
         return [span for group in self.own() for span in group.gather_spans()]
 
-    def shutdown(self) -> None:
+    def shutdown(self, close: bool = True) -> None:
         """Close and kill every worker, then release the placement group (the Ray session may outlive the
-        run)."""
+        run). `close=False` kills without asking them to close first (a close waits for a constructor still
+        running: a cancelled start does not)."""
         for group in self.own():
-            group.close()
+            if close:
+                group.close()
+            else:
+                for handle in group.handles:
+                    ray.kill(handle)
         if self.bundles is not None:
             remove_placement_group(self.bundles)
             self.bundles = None

@@ -31,6 +31,10 @@ RAY_ENV = {
     # after Ray anyway).
     "RAY_num_prestart_python_workers": "0",
     "RAY_prestart_worker_first_driver": "0",
+    # Ray starts its workers at nice 15 (to keep its own services responsive on a busy machine), so a worker
+    # got a small share of a core whenever the driver or Ray's agents ran beside it: the driver checking
+    # inputs while a worker imports torch, the driver scoring rewards while the trainer trains.
+    "RAY_worker_niceness": "0",
     # glibc's default of 8 malloc arenas per core grows a many-threaded worker's memory for nothing (~15 MB)
     "MALLOC_ARENA_MAX": "2",
 }

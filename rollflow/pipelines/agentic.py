@@ -23,6 +23,7 @@ from rollflow.pipelines.preflight import context_length
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
+    resume_point,
     save_checkpoint,
     write_placement,
 )
@@ -34,7 +35,7 @@ from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
-from rollflow.workers.roles import running_roles
+from rollflow.workers.roles import RoleLaunch
 
 PHASES: dict[str, tuple[str, ...]] = {
     "rollout": ("actor_infer", "env"),
@@ -64,20 +65,22 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
     model, began = config.model, time.time()
-    tokenizer = load_tokenizer(model.path, model.trust_remote_code)
-    encoder = TurnEncoder(tokenizer, config.env.system_prompt)
-    settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))
-    prepared = prepare_run_dir(config)
+    resume_point(config)  # a resume with nothing to resume fails before anything starts
+    roles = agentic_roles(config)
+    launch = RoleLaunch(config, roles, {"actor_train": ("policy_gradient",)}, manage_ray)  # starts meanwhile
+    with launch.cancelled_on_error():
+        tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        encoder = TurnEncoder(tokenizer, config.env.system_prompt)
+        settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))
+        prepared = prepare_run_dir(config)
     rollout = config.rollout
     sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
     greedy = SamplingParams(rollout.max_new_tokens, temperature=0.0)
     eval_seeds = list(range(config.eval.seed_start, config.eval.seed_start + config.eval.episodes))
     sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
-    roles = agentic_roles(config)
 
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            running_roles(config, roles, {"actor_train": ("policy_gradient",)}, manage_ray,
-                          worker_spans.take_from) as groups:
+            launch.running(worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)

@@ -1,5 +1,6 @@
-"""Checks an RLVR run's inputs on the driver before Ray starts, so a bad input is one line, never a worker's
-traceback nor a failure at step 11 of 12.
+"""Checks an RLVR run's inputs on the driver while its workers start (`rollflow.workers.roles.RoleLaunch`,
+which stops them if a check fails), so a bad input is one line, never a worker's traceback nor a failure at
+step 11 of 12.
 
 `check_inputs(config, roles)` runs them all, in this order, and returns what the driver needs next:
 

@@ -28,6 +28,7 @@ from rollflow.pipelines.preflight import build_sampler, check_inputs
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
+    resume_point,
     save_checkpoint,
     write_placement,
 )
@@ -42,7 +43,7 @@ from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.advantages import AdvantageStage
 from rollflow.workers.parity import check_logprob_parity, parity_probe
 from rollflow.workers.reward import model_rewards
-from rollflow.workers.roles import running_roles
+from rollflow.workers.roles import RoleLaunch
 
 # The roles each phase of a step runs (what `ColocationManager` onloads; colocated idle roles are offloaded).
 PHASES: dict[str, tuple[str, ...]] = {
@@ -79,16 +80,19 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
             Ray session and leaves it up (tests run many short runs in one session).
     """
     rollout, output, began = config.rollout, config.output, time.time()
-    with span("check inputs"):
-        inputs = check_inputs(config, rlvr_roles(config))  # every prompt encoded and checked before any worker
-    for warning in inputs.warnings:
-        print(f"rollflow: warning: {warning}", file=sys.stderr)
-    tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
+    resume_point(config)  # a resume with nothing to resume fails before anything starts
     role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
-    prepared = prepare_run_dir(config)  # before Ray starts: a resume with nothing to resume fails at once
+    launch = RoleLaunch(config, rlvr_roles(config), role_args, manage_ray)  # Ray and the workers start now
+    with launch.cancelled_on_error():  # every prompt encoded and checked meanwhile; a bad one stops the start
+        with span("check inputs"):
+            inputs = check_inputs(config, rlvr_roles(config))
+        for warning in inputs.warnings:
+            print(f"rollflow: warning: {warning}", file=sys.stderr)
+        prepared = prepare_run_dir(config)
+    tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
 
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            running_roles(config, rlvr_roles(config), role_args, manage_ray, worker_spans.take_from) as groups:
+            launch.running(worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)

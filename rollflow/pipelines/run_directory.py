@@ -47,6 +47,28 @@ class PreparedRunDir(NamedTuple):
     note: str | None
 
 
+def resume_point(config: RunConfigBase) -> tuple[Path | None, int | None]:
+    """(the newest complete checkpoint, its step) a `resume: true` run continues from; (None, None) for a
+    fresh run. Reads only: a pipeline asks it first, so a resume with nothing to resume starts nothing.
+
+    Raises:
+        ConfigError: `resume: true` without a complete checkpoint.
+        RunFinished: `resume: true` with the newest checkpoint at or past `train.steps` (nothing to do).
+    """
+    if not config.resume:
+        return None, None
+    run_dir = config.run_dir
+    resume_from = latest_checkpoint(run_dir / "checkpoints")
+    if resume_from is None:
+        raise ConfigError(f"resume=true but {run_dir} has no complete checkpoint (checkpoints/step_N with "
+                          f"{DRIVER_STATE}); set resume=false to start a new run")
+    resumed_at = int(read_driver_state(resume_from)["step"])
+    if resumed_at >= config.train.steps:
+        raise RunFinished(f"{run_dir} already finished at step {resumed_at} (train.steps="
+                          f"{config.train.steps}); raise train.steps to continue")
+    return resume_from, resumed_at
+
+
 def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
     """Make `config.run_dir` ready for this run and write the resolved `config.yaml` into it.
 
@@ -61,16 +83,9 @@ def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
         DiskFullError: the disk filled up writing the directory.
     """
     run_dir = config.run_dir
-    resume_from, resumed_at, note = None, None, None
+    resume_from, resumed_at = resume_point(config)
+    note = None
     if config.resume:
-        resume_from = latest_checkpoint(run_dir / "checkpoints")
-        if resume_from is None:
-            raise ConfigError(f"resume=true but {run_dir} has no complete checkpoint (checkpoints/step_N with "
-                              f"{DRIVER_STATE}); set resume=false to start a new run")
-        resumed_at = int(read_driver_state(resume_from)["step"])
-        if resumed_at >= config.train.steps:
-            raise RunFinished(f"{run_dir} already finished at step {resumed_at} (train.steps="
-                              f"{config.train.steps}); raise train.steps to continue")
         note = _schedule_note(run_dir / "config.yaml", config)
         for log in STEP_LOGS:
             truncate_records(run_dir / log, resumed_at)

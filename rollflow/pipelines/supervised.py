@@ -9,6 +9,7 @@ teacher, `roles.reference.model_path`) and sent with the batch to the student's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -29,6 +30,7 @@ from rollflow.pipelines.phases import evaluate, reference_logprobs, rollout_sche
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
+    resume_point,
     save_checkpoint,
     write_placement,
 )
@@ -38,7 +40,7 @@ from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.objectives import pair_logratios
-from rollflow.workers.roles import forward_rows, running_roles
+from rollflow.workers.roles import RoleLaunch, forward_rows
 
 PHASES: dict[str, tuple[str, ...]] = {
     "reference": ("reference",),  # DPO's reference log-probs, distillation's teacher
@@ -71,16 +73,22 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
     roles, began = supervised_roles(config), time.time()
-    with span("check inputs"):
-        inputs = check_supervised_inputs(config, roles)
-    for warning in inputs.warnings:
-        print(f"rollflow: warning: {warning}", file=sys.stderr)
-    config = with_resolved_steps(config, len(inputs.train))
-    pad = inputs.tokenizer.pad_token_id
-    prepared = prepare_run_dir(config)
+    resume_point(config)  # a resume with nothing to resume fails before anything starts
     role_args = {"actor_train": (OBJECTIVES[config.pipeline],)}
+    # The workers start while the inputs are checked, unless their config waits on the data (`train.epochs`
+    # becomes a step count, which the trainer's schedule reads).
+    launch = RoleLaunch(config, roles, role_args, manage_ray) if config.train.epochs is None else None
+    with launch.cancelled_on_error() if launch else contextlib.nullcontext():
+        with span("check inputs"):
+            inputs = check_supervised_inputs(config, roles)
+        for warning in inputs.warnings:
+            print(f"rollflow: warning: {warning}", file=sys.stderr)
+        config = with_resolved_steps(config, len(inputs.train))
+        prepared = prepare_run_dir(config)
+    pad = inputs.tokenizer.pad_token_id
+    launch = launch or RoleLaunch(config, roles, role_args, manage_ray)
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            running_roles(config, roles, role_args, manage_ray, worker_spans.take_from) as groups:
+            launch.running(worker_spans.take_from) as groups:
         tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
         if prepared.note:
             tracker.print(prepared.note)

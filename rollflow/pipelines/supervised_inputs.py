@@ -1,5 +1,5 @@
-"""Checks a supervised run's inputs (SFT, DPO, distillation) on the driver before Ray starts, and encodes
-every row once: a bad row is one line naming its dataset and row, never a worker's traceback.
+"""Checks a supervised run's inputs (SFT, DPO, distillation) on the driver while its workers start, and
+encodes every row once: a bad row is one line naming its dataset and row, never a worker's traceback.
 
 `check_supervised_inputs(config)` runs, in order: the model (and the reference or teacher) files; for a
 teacher, that its vocabulary is the student's; every train and eval row encoded by

@@ -114,7 +114,7 @@ def require_column(row: Mapping[str, Any], column: str, reward: str) -> Any:
 def needs_columns(*columns: str) -> Callable[[RewardFn], RewardFn]:
     """Declare the dataset columns a reward function reads (with `require_column`).
 
-    The driver checks every row of the run's datasets for them before any worker starts
+    The driver checks every row of the run's datasets for them before the first step
     (`rollflow.pipelines.preflight`), so a dataset without them is one error naming the row, not a failed
     sample per step. Put it under `@REWARD_FUNCTIONS.register(...)` (or on a user reward):
 

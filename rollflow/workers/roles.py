@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -19,7 +20,14 @@ from typing import Any
 import torch
 
 from rollflow.cluster import calls
-from rollflow.cluster.groups import START_TIMEOUT_S, WorkerGroup, WorkerGroups, cluster_shape, reserve_bundles
+from rollflow.cluster.groups import (
+    START_TIMEOUT_S,
+    StartCancelled,
+    WorkerGroup,
+    WorkerGroups,
+    cluster_shape,
+    reserve_bundles,
+)
 from rollflow.cluster.placement import PlacementPlan, plan_placement
 from rollflow.cluster.runtime import start_ray, stop_ray
 from rollflow.config import RoleConfig, RunConfigBase
@@ -108,7 +116,8 @@ def describe_plan(config: RunConfigBase, roles: Sequence[str]) -> str:
 
 
 def start_roles(config: RunConfigBase, roles: Sequence[str],
-                role_args: Mapping[str, tuple[Any, ...]] | None = None) -> WorkerGroups:
+                role_args: Mapping[str, tuple[Any, ...]] | None = None,
+                cancelled: threading.Event | None = None) -> WorkerGroups:
     """Plan, place and start every role's workers, wait until they are ready, build the trainers' backends
     (data-parallel ranks meet first) and open the weight-broadcast group if the run uses one.
 
@@ -116,12 +125,14 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
         config: the run config.
         roles: the roles to start, in start order (all start concurrently; the order is the plan's).
         role_args: per role, constructor arguments after `(placement, config)` (e.g. actor_train's objective).
+        cancelled: when set while the workers start, kill them and raise `StartCancelled`.
 
     Returns:
         The started groups. The caller shuts them down (`running_roles` does).
 
     Raises:
         ConfigError: a plan the cluster cannot hold. WorkerStartError: a worker that failed to start.
+        StartCancelled: `cancelled` was set.
     """
     devices_per_node, num_nodes = cluster_shape(config.cluster.device, config.cluster.num_devices)
     plan = plan_roles(config, roles, devices_per_node, num_nodes)
@@ -134,51 +145,123 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
             groups.spawn(role, import_object(worker), config, *(role_args or {}).get(role, ()))
         for role in plan.hosted:
             groups.host(role)
-        groups.wait_ready()
+        groups.wait_ready(cancelled)
         _init_backends([groups[role] for role in TRAINER_ROLES if role in groups])
         if config.cluster.weight_sync_transport == "broadcast":
             _open_broadcast(groups["actor_train"], groups["actor_infer"])
-    except BaseException:
-        groups.shutdown()
+    except BaseException as err:
+        groups.shutdown(close=not isinstance(err, StartCancelled))  # a close waits for a running constructor
         raise
     return groups
+
+
+class RoleLaunch:
+    """A run's roles, started in a thread of the driver from the moment it is made, so that what the driver
+    does meanwhile (reading and encoding every prompt, ~2-3 s) overlaps the workers' start (their imports of
+    torch and transformers, ~7 s, in processes of their own). Ray (if managed) starts first, on the caller's
+    thread: Ray's start is mostly Python in this process, which a thread would only share the GIL with. A bad
+    input still stops the run before any step: the driver checks under `cancelled_on_error`, which stops
+    whatever was started (workers killed mid-constructor, Ray shut down) and re-raises. Says on stdout what it
+    starts, and when it is ready.
+
+        launch = RoleLaunch(config, roles, role_args, manage_ray)   # returns once Ray is up
+        with launch.cancelled_on_error():
+            inputs = check_inputs(config, roles)         # meanwhile, the workers start
+        with launch.running(before_stop) as groups:      # waits for them; stops them on the way out
+            ...
+
+    Args:
+        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
+            Ray session and leaves it up (tests run many short runs in one session).
+    """
+
+    def __init__(self, config: RunConfigBase, roles: Sequence[str],
+                 role_args: Mapping[str, tuple[Any, ...]] | None = None, manage_ray: bool = True):
+        self.config, self.roles, self.role_args, self.manage_ray = config, list(roles), role_args, manage_ray
+        self.groups: WorkerGroups | None = None
+        self.error: BaseException | None = None  # what the start raised, re-raised by `running`
+        if manage_ray:
+            where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
+            _say(f"{where} ...")
+            with span("start ray"):
+                start_ray(config.cluster.address, config.cluster.num_cpus)
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._start, name="rollflow-launch", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            started = time.perf_counter()
+            _say(f"starting workers: {describe_roles(self.config, self.roles)} ...")
+            with span("start workers"):
+                self.groups = start_roles(self.config, self.roles, self.role_args, self._cancelled)
+            _say(f"workers ready in {time.perf_counter() - started:.1f} s")
+        except StartCancelled:
+            pass
+        except BaseException as err:  # noqa: BLE001 -- the driver's thread raises it (`running`)
+            self.error = err
+
+    def cancel(self) -> None:
+        """Stop the start and whatever it started; returns once all of it is stopped (workers still in their
+        constructors are killed at once)."""
+        self._cancelled.set()
+        self._thread.join()
+        groups, self.groups = self.groups, None
+        self._stop(groups)
+
+    def _stop(self, groups: WorkerGroups | None) -> None:
+        """Shut `groups` down, then Ray if managed (once)."""
+        try:
+            if groups is not None:
+                groups.shutdown()
+        finally:
+            if self.manage_ray:
+                self.manage_ray = False
+                stop_ray()
+
+    @contextlib.contextmanager
+    def cancelled_on_error(self) -> Iterator[None]:
+        """A block the start runs alongside; if the block raises (a bad input, Ctrl-C), `cancel`, then
+        re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.cancel()
+            raise
+
+    @contextlib.contextmanager
+    def running(self, before_stop: Callable[[WorkerGroups], None] | None = None) -> Iterator[WorkerGroups]:
+        """Wait for the start to finish (raising what it raised), yield the started groups; on the way out,
+        normal or not, stop them all (and Ray, if managed).
+
+        Args:
+            before_stop: called with the started workers just before they stop (e.g. to take their
+                timeline spans).
+        """
+        with self.cancelled_on_error():  # a signal while waiting
+            while self._thread.is_alive():
+                self._thread.join(0.1)
+        groups = self.groups
+        try:
+            if self.error is not None:
+                raise self.error
+            try:
+                yield groups
+            finally:
+                if before_stop is not None:
+                    before_stop(groups)
+        finally:
+            self._stop(groups)
 
 
 @contextlib.contextmanager
 def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mapping[str, tuple[Any, ...]] | None = None,
                   manage_ray: bool = True, before_stop: Callable[[WorkerGroups], None] | None = None
                   ) -> Iterator[WorkerGroups]:
-    """Start Ray (if managed) and `roles`; on the way out, normal or not, stop them all. Says on stdout what
-    it starts, and when it is ready.
-
-    Args:
-        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
-            Ray session and leaves it up (tests run many short runs in one session).
-        before_stop: called with the started workers just before they stop (e.g. to take their timeline
-            spans).
-    """
-    if manage_ray:
-        where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
-        _say(f"{where} ...")
-        with span("start ray"):
-            start_ray(config.cluster.address, config.cluster.num_cpus)
-    groups = None
-    try:
-        started = time.perf_counter()
-        _say(f"starting workers: {describe_roles(config, roles)} ...")
-        with span("start workers"):
-            groups = start_roles(config, roles, role_args)
-        _say(f"workers ready in {time.perf_counter() - started:.1f} s")
+    """Start Ray (if managed) and `roles` now and wait for them (`RoleLaunch` with nothing to overlap); on the
+    way out, normal or not, stop them all."""
+    with RoleLaunch(config, roles, role_args, manage_ray).running(before_stop) as groups:
         yield groups
-    finally:
-        if groups is not None:
-            try:
-                if before_stop is not None:
-                    before_stop(groups)
-            finally:
-                groups.shutdown()
-        if manage_ray:
-            stop_ray()
 
 
 def describe_roles(config: RunConfigBase, roles: Sequence[str]) -> str:

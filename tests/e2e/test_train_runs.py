@@ -99,6 +99,12 @@ def _check_timeline(run_dir: Path, hybrid: bool = True) -> None:
     else:
         assert "weights_for_sync" in names["actor_train 0"]
         assert {"start", "generate_batch", "update_weights", "offload", "onload"} <= names["actor_infer 0"]
+    # the driver checks its inputs while the workers start (after Ray: a thread would share its GIL)
+    (ray_start,) = [e for e in events if e["name"] == "start ray"]
+    (check,) = [e for e in events if e["name"] == "check inputs"]
+    (start,) = [e for e in events if e["name"] == "start workers"]
+    assert ray_start["ts"] + ray_start["dur"] <= min(start["ts"], check["ts"])
+    assert check["ts"] < start["ts"] + start["dur"] and start["ts"] < check["ts"] + check["dur"]
     steps = [e for e in events if e["name"] == "step"]
     trains = [e for e in events if e["name"] == "train"]
     assert len(steps) == len(trains) == 2
