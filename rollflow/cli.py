@@ -24,6 +24,8 @@ def _train(args: argparse.Namespace) -> int:
     from rollflow.pipelines import PIPELINES
 
     overrides = args.overrides
+    if not (args.print_config or args.print_plan):
+        _prestart_ray(args.config, overrides)
     if args.pipeline is not None:  # `rollflow sft CFG`: the config may leave `pipeline` out, or must say sft
         from rollflow.config import pipeline_of
 
@@ -53,6 +55,40 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if final else 1
 
 
+def _prestart_ray(path: str | None, overrides: list[str]) -> None:
+    """Have a local Ray start in a process of its own now (`rollflow.cluster.runtime.prestart_ray`), before the
+    config is even loaded: loading it imports torch, and the pipeline imports Ray's client (~4 s on 2 cores),
+    which Ray's start (~2.5 s) then overlaps on another core. Only where the config plainly asks for a local
+    Ray: `cluster.address` unset, `cluster.num_cpus` unset or a positive integer, and not `resume: true` (a
+    finished run must stop at once, not after starting Ray). Only from a fresh process (torch not imported
+    yet): a test or a notebook calling `main` has nothing to overlap. Whatever the config turns out to say,
+    the pipeline's `start_ray` connects to this Ray only if it is the one it wants, and ends it otherwise."""
+    if "torch" in sys.modules:
+        return
+    import yaml
+
+    try:
+        tree = (yaml.safe_load(Path(path).read_text()) if path else None) or {}
+        cluster = tree.get("cluster") or {}
+        address, num_cpus, resume = cluster.get("address"), cluster.get("num_cpus"), tree.get("resume")
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key in ("cluster", "cluster.address", "cluster.num_cpus", "resume"):
+                value = yaml.safe_load(value)
+            if key == "cluster":
+                return
+            address = value if key == "cluster.address" else address
+            num_cpus = value if key == "cluster.num_cpus" else num_cpus
+            resume = value if key == "resume" else resume
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return  # the config loader says what is wrong
+    if address is not None or resume is True or num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
+        return
+    from rollflow.cluster.runtime import prestart_ray
+
+    prestart_ray(num_cpus)
+
+
 def _keep_worker_traceback(err: BaseException, run_dir) -> None:
     """A worker's full traceback (`WorkerError.details`) goes to `run_dir/error.log`; the one-line message
     says where."""
@@ -71,6 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
 
     overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}"]
+    _prestart_ray(args.config, [*overrides, *args.overrides])
     if args.config is None:  # every row, as the quickstart's eval (the schema's default eval set stops at 200)
         overrides.append("data.eval.limit=null")
     if args.data:  # replaces the config's eval set, `task` or `path`
@@ -203,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rollflow: interrupted", file=sys.stderr)
         return 130
+    finally:  # a Ray `_prestart_ray` started that no pipeline took over (a bad config, say)
+        runtime = sys.modules.get("rollflow.cluster.runtime")
+        if runtime is not None:
+            runtime.discard_prestarted_ray()
 
 
 if __name__ == "__main__":

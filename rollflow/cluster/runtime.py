@@ -5,6 +5,11 @@ gone (any way: normal exit, error, signal, `kill -9`) or `stop_ray` says so, end
 belonging to this Ray session (the dashboard and runtime-env agents outlive a killed driver otherwise). This
 module imports only the standard library at the top: the reaper loads it as a plain file, without rollflow's
 or Ray's imports.
+
+The command line starts a local Ray ahead of time (`prestart_ray`), in a process of its own, while the driver
+is still importing torch and checking its config: that process starts Ray's head (`ray start`, with the head
+processes a single-node run does not need left out), reports its address, then becomes the run's reaper; the
+driver connects to it when the pipeline asks for Ray (`start_ray`).
 """
 
 from __future__ import annotations
@@ -129,6 +134,17 @@ REAPER_PROGRAM = ("import importlib.util, sys\n"
                   "module.reap_after_driver(int(sys.argv[2]), sys.argv[3])\n")
 
 _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this process started
+# The process `prestart_ray` started (it becomes the reaper once Ray's head is up) and its num_cpus; None when
+# there is none or `start_ray` took it over.
+_prestarted: tuple[subprocess.Popen, int | None] | None = None
+PRESTART_TIMEOUT_S = 120.0  # the longest `start_ray` waits for a prestarted head before starting its own
+# The prestarted head's program: load this file as a module of its own (as the reaper's) and run `run_head`.
+# argv: file, driver pid, num_cpus ("" for Ray's default).
+HEAD_PROGRAM = ("import importlib.util, sys\n"
+                "spec = importlib.util.spec_from_file_location('rollflow_ray_head', sys.argv[1])\n"
+                "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+                "spec.loader.exec_module(module)\n"
+                "module.run_head(int(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None)\n")
 _log_monitor: DriverLogMonitor | None = None  # the log monitor thread of the local Ray this process started
 
 # Ray runs the function this variable names (a module path) in each worker process before its first task (what
@@ -161,11 +177,115 @@ def lean_process() -> None:
     arrow_serialization._register_custom_datasets_serializers = register_when_loaded
 
 
+def prestart_ray(num_cpus: int | None = None) -> None:
+    """Start a local Ray with `num_cpus` in a process of its own, now, and return at once: the next
+    `start_ray(None, num_cpus)` connects to it (~0.4 s) instead of starting one (~2.5 s of this process's
+    time). The process starts Ray's head as `start_ray` would (same processes left out, same environment for
+    the raylet and its workers), prints its address, then becomes the reaper of that Ray for this process.
+    `stop_ray` (or `discard_prestarted_ray`) ends it all; so does this process's death, however it dies."""
+    global _prestarted
+    if _prestarted is not None or not os.path.isdir("/proc"):  # the reaper it becomes needs /proc (Linux)
+        return
+    env = {**os.environ, **{k: v for k, v in RAY_ENV.items() if k not in os.environ}}
+    env.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
+    for var in THREAD_VARIABLES:  # what a pipeline's driver holds when it starts Ray (`pinned_threads(1)`)
+        env.setdefault(var, "1")
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD_PROGRAM, os.path.abspath(__file__), str(os.getpid()),
+         "" if num_cpus is None else str(num_cpus)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    _prestarted = (head, num_cpus)
+
+
+def discard_prestarted_ray() -> None:
+    """Have a Ray `prestart_ray` started that `start_ray` did not take over (the run stopped before it asked
+    for Ray) end, with its processes; returns at once (they end within a few seconds, on their own)."""
+    global _prestarted
+    if _prestarted is not None:
+        head, _ = _prestarted
+        _prestarted = None
+        stop_reaper(head, timeout_s=0)  # it ends its Ray by itself; a head still starting does so once up
+
+
+def _head_address(head: subprocess.Popen, timeout_s: float = PRESTART_TIMEOUT_S) -> dict | None:
+    """What a prestarted head reported (`run_head`): its address, session and whether the driver forwards the
+    workers' output; None if it failed or did not answer in time."""
+    import json
+
+    ready, _, _ = select.select([head.stdout], [], [], timeout_s)
+    line = head.stdout.readline() if ready else b""
+    head.stdout.close()
+    try:
+        reply = json.loads(line)
+    except ValueError:
+        return None
+    return reply if isinstance(reply, dict) and "gcs_address" in reply else None
+
+
+def run_head(driver_pid: int, num_cpus: int | None) -> None:
+    """The prestarted head's main (`HEAD_PROGRAM`): `ray start --head` on a free port, without the processes
+    `_lean_head_node` leaves out; one JSON line on stdout (`gcs_address`, `session_dir`,
+    `skipped_log_monitor`, or `error`); then this process becomes the reaper of that Ray for `driver_pid`."""
+    import contextlib as context
+    import io
+
+    head = None
+    # Ray's processes inherit this one's stdin and stdout: give them /dev/null, keep the pipes to the driver
+    # (the reply goes out on one, and the reaper this process becomes reads the other)
+    reply_fd, command_fd = os.dup(1), os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            enable_token_auth_by_default,
+            ensure_token_if_auth_enabled,
+        )
+        from ray.scripts.scripts import start
+
+        # token authentication as ray.init sets it up for a new local Ray (on unless RAY_AUTH_MODE says
+        # otherwise, a token made if there is none); `ray start` alone would only use a token already there
+        token_auth = enable_token_auth_by_default()
+        ensure_token_if_auth_enabled({}, create_token_if_missing=True)
+        arguments = ["--head", f"--port={free_port()}", "--include-dashboard=false", "--disable-usage-stats"]
+        if num_cpus is not None:
+            arguments.append(f"--num-cpus={num_cpus}")
+        with _lean_head_node() as head, context.redirect_stdout(io.StringIO()):
+            start.main(args=arguments, standalone_mode=False)
+        node = head.node
+        reply = {"gcs_address": node.address, "session_dir": node.address_info["session_dir"],
+                 "skipped_log_monitor": head.skipped_log_monitor, "token_auth": token_auth}
+    except BaseException as err:  # noqa: BLE001 -- the driver starts Ray itself instead
+        node = getattr(head, "node", None)
+        if node is not None:
+            with context.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+        _reply(reply_fd, {"error": f"{type(err).__name__}: {err}"})
+        sys.exit(1)
+    _reply(reply_fd, reply)
+    os.dup2(command_fd, 0)
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", REAPER_PROGRAM, os.path.abspath(__file__),
+                              str(driver_pid), reply["session_dir"]])
+
+
+def _reply(fd: int, reply: dict) -> None:
+    """Write the head's one line to the driver and close the pipe. A driver that no longer reads (it discarded
+    this head) is no reason to stop: the head becomes the reaper all the same, and ends its Ray."""
+    import json
+
+    try:
+        os.write(fd, json.dumps(reply).encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Start a local Ray (no dashboard, no usage stats) or join the cluster at `address`.
 
     A local Ray gets a reaper (see the module docstring), so none of its processes outlives this one. A SIGTERM
-    handler this process installed before (e.g. `StopSignals`) is kept.
+    handler this process installed before (e.g. `StopSignals`) is kept. A local Ray `prestart_ray` started
+    with the same `num_cpus` is connected to; one with another is ended first.
     """
     global _reaper, _log_monitor
     import ray
@@ -182,6 +302,10 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # Ray announces its (default-on) token auth with a warning on every start; keep the console clean.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     runtime_env = {"env_vars": dict(RAY_ENV)}
+    if address is None and _prestarted is not None and _prestarted[1] == num_cpus:
+        if _connect_prestarted(_prestarted[0]):
+            return
+    discard_prestarted_ray()  # failed, or not the Ray asked for
     # ray.init replaces the SIGTERM handler with its own sys.exit; a handler the driver installed (StopSignals)
     # stays. Python handles signals in the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -206,15 +330,48 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         signal.signal(signal.SIGTERM, sigterm_handler)
 
 
+def _connect_prestarted(head: subprocess.Popen) -> bool:
+    """Connect this process to the head `prestart_ray` started, which becomes its reaper; False (and nothing
+    changed) if that head failed."""
+    global _reaper, _log_monitor, _prestarted
+    import ray
+
+    reply = _head_address(head)
+    if reply is None:
+        return False
+    _prestarted = None
+    lean_process()
+    if reply.get("token_auth"):  # the head's mode (RAY_AUTH_MODE, if set, is the same in both processes)
+        from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
+
+        enable_token_auth_by_default()
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        context = ray.init(address=reply["gcs_address"], logging_level=logging.WARNING, log_to_driver=True,
+                           configure_logging=True)
+    except BaseException:
+        stop_reaper(head)
+        raise
+    _reaper = head
+    if reply["skipped_log_monitor"]:
+        _log_monitor = DriverLogMonitor(context.address_info)
+        _log_monitor.start()
+    if callable(sigterm_handler):
+        signal.signal(signal.SIGTERM, sigterm_handler)
+    return True
+
+
 class _HeadNode:
     skipped_log_monitor = False  # its work is the driver's to do (`DriverLogMonitor`)
+    node = None  # the head node it built
 
 
 @contextlib.contextmanager
 def _lean_head_node() -> Iterator[_HeadNode]:
-    """Start a local Ray without three head processes a single-node run does not need: the autoscaler monitor
+    """Start a local Ray without the head processes a single-node run does not need: the autoscaler monitor
     (a fixed instance has nothing to scale), the dashboard's API server (no dashboard, job or state API is
-    used) and the log monitor (its work, forwarding workers' output to the console, runs as a thread of the
+    used), the Ray Client server (`ray start` starts one; nothing connects through it) and the log monitor (its work, forwarding workers' output to the console, runs as a thread of the
     driver instead: `DriverLogMonitor`). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for
     any of them, so the head node is adjusted while `ray.init` builds it; with a Ray whose internals differ,
     nothing changes."""
@@ -236,6 +393,9 @@ def _lean_head_node() -> Iterator[_HeadNode]:
     def init(self, ray_params, *args, **kwargs):
         if hasattr(ray_params, "no_monitor"):
             ray_params.no_monitor = True
+        if hasattr(ray_params, "ray_client_server_port"):  # `ray start` starts a Ray Client server: none used
+            ray_params.ray_client_server_port = None
+        head.node = self
         original_init(self, ray_params, *args, **kwargs)
 
     def start_api_server(self, *, include_dashboard, raise_on_failure):
@@ -313,6 +473,7 @@ def stop_ray() -> None:
     if _reaper is not None:
         stop_reaper(_reaper)
         _reaper = None
+    discard_prestarted_ray()
 
 
 def start_reaper(session_dir: str) -> subprocess.Popen:
@@ -330,11 +491,13 @@ def start_reaper(session_dir: str) -> subprocess.Popen:
 
 
 def stop_reaper(reaper: subprocess.Popen, timeout_s: float = REAPER_GRACE_S + 10) -> None:
-    """Tell the reaper that Ray was shut down, and wait (at most `timeout_s`) while it ends what is left."""
+    """Tell the reaper that Ray was shut down, and wait (at most `timeout_s`; 0: not at all) while it ends
+    what is left."""
     try:
         reaper.stdin.write(b"stop\n")
         reaper.stdin.close()
-        reaper.wait(timeout_s)
+        if timeout_s > 0:
+            reaper.wait(timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         pass  # a reaper that died or hangs: nothing more to do from here; it runs on by itself
 
@@ -355,7 +518,10 @@ def reap_after_driver(driver_pid: int, session_dir: str) -> None:
         left = session_processes(session_dir, exclude={os.getpid(), driver_pid})
         if not left:
             break
-        ended.update(end_processes(left))
+        # the GCS last: a raylet or agent told to stop while the GCS stops too waits out the grace period
+        gcs = {pid: command for pid, command in left.items() if "gcs_server" in command.split(" ", 1)[0]}
+        ended.update(end_processes({pid: command for pid, command in left.items() if pid not in gcs}))
+        ended.update(end_processes(gcs))
     if ended:
         with open(os.path.join(session_dir, "logs", "rollflow_reaper.log"), "a") as log:
             log.write(f"ended {len(ended)} processes of {session_dir}: {ended}\n")

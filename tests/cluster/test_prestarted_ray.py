@@ -1,0 +1,148 @@
+"""A Ray the command line starts ahead of time (`prestart_ray`): a process of its own starts the head while
+the driver imports, then becomes the reaper; `start_ray` connects to it if it is the Ray asked for (workers
+run, their output reaches the driver, the Ray is as lean as one `start_ray` starts itself), ends it if not,
+and no process of it outlives the driver, whichever way the driver ends."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollflow.cluster.runtime import _start_time, session_processes
+
+CONNECT = """
+import os, sys, time
+import ray
+from rollflow.cluster import runtime
+
+runtime.prestart_ray(int(sys.argv[1]))
+head = runtime._prestarted[0]
+runtime.start_ray(None, int(sys.argv[2]))
+session_dir = ray._private.worker._global_node.get_session_dir_path()
+
+@ray.remote(num_cpus=0)
+def hello():
+    print("hello from a worker", flush=True)
+    return os.getpid()
+
+worker = ray.get(hello.remote())
+print("RESULT", session_dir, head.pid, runtime._reaper is head, ray.cluster_resources()["CPU"], worker, flush=True)
+started = time.monotonic()
+runtime.stop_ray()
+print("STOPPED", head.poll(), f"{time.monotonic() - started:.2f}", flush=True)
+"""
+
+
+def _run(*cpus: int) -> tuple[dict, str]:
+    """CONNECT with prestart_ray(cpus[0]) and start_ray(None, cpus[1]): its RESULT fields, and all it printed."""
+    done = subprocess.run([sys.executable, "-c", CONNECT, *map(str, cpus)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    (result,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    session_dir, head, adopted, num_cpus, worker = result
+    return {"session_dir": session_dir, "head": int(head), "adopted": adopted == "True",
+            "num_cpus": float(num_cpus), "worker": int(worker)}, done.stdout
+
+
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while _start_time(pid) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _all_gone(session_dir: str, within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while session_processes(session_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def _raylets() -> set[int]:
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if b"raylet" in cmdline.read().split(b"\0")[0] and _start_time(int(entry)) is not None:
+                    found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_start_ray_connects_to_the_prestarted_head():
+    result, printed = _run(2, 2)
+    assert result["adopted"] and result["num_cpus"] == 2.0  # the head's process is now the reaper
+    assert "hello from a worker" in printed  # workers' output reaches the driver's console
+    (stopped,) = [line.split()[1:] for line in printed.splitlines() if line.startswith("STOPPED")]
+    assert stopped[0] == "0"  # stop_ray: the reaper ended the session, then itself
+    # without waiting out its grace period (3 s): the GCS is ended after the raylet and agents
+    assert float(stopped[1]) < 2.5, stopped
+    assert _all_gone(result["session_dir"])
+
+
+def test_a_prestarted_head_with_other_cpus_is_ended_and_replaced():
+    raylets = _raylets()
+    result, printed = _run(1, 2)
+    assert not result["adopted"] and result["num_cpus"] == 2.0  # a Ray of the driver's own, then
+    assert _gone(result["head"])  # the prestarted head (by then its Ray's reaper) ended it and itself
+    assert _all_gone(result["session_dir"])
+    deadline = time.monotonic() + 15
+    while _raylets() - raylets and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not _raylets() - raylets, "the prestarted Ray is still running"
+
+
+ABANDON = """
+import sys, time
+from rollflow.cluster import runtime
+
+runtime.prestart_ray(1)
+print(runtime._prestarted[0].pid, flush=True)
+if sys.argv[1] == "discard":
+    runtime.discard_prestarted_ray()
+    print("discarded", flush=True)
+time.sleep(300)
+"""
+
+
+def _reaper_session(pid: int, within_s: float = 60.0) -> str:
+    """The session directory of the Ray the prestarted head `pid` started, once it is that Ray's reaper."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"-S" in argv:  # the reaper's program runs without site-packages
+            return argv[-2].decode()
+        time.sleep(0.1)
+    pytest.fail("the prestarted head did not become a reaper")
+
+
+@pytest.mark.parametrize("how", ["discard", "kill -9"])
+def test_no_prestarted_process_outlives_its_driver(how):
+    """A Ray no pipeline took over ends with `discard_prestarted_ray` (a bad config: while the head may still
+    be starting) or with the driver (kill -9 once the head is up)."""
+    raylets = _raylets()
+    driver = subprocess.Popen([sys.executable, "-c", ABANDON, how.split()[0]], stdout=subprocess.PIPE, text=True)
+    try:
+        head = int(driver.stdout.readline())
+        session_dir = _reaper_session(head) if how == "kill -9" else None
+        if how == "kill -9":
+            assert session_processes(session_dir, exclude={head}), "no Ray started"
+            os.kill(driver.pid, signal.SIGKILL)
+        else:
+            assert driver.stdout.readline().strip() == "discarded"
+        assert _gone(head), "the prestarted head is still running"
+        if session_dir is not None:
+            assert _all_gone(session_dir)
+        assert _raylets() <= raylets  # the prestarted Ray's raylet is gone (a discard: whatever its stage)
+    finally:
+        driver.kill()
+        driver.wait()
