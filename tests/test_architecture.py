@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
                        "envs"},
     "pipelines": BASE | {"algorithms", "data", "models", "backends", "engines", "rewards", "config", "cluster",
                          "trackers", "rollout", "workers", "fresh_model"},
-    "cli": BASE | {"config", "pipelines", "workers", "fresh_model", "envs"},
+    "cli": BASE | {"cluster", "config", "pipelines", "workers", "fresh_model", "envs"},  # cluster: prestart_ray
 }
 
 

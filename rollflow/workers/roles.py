@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import ray
 import torch
 
 from rollflow.cluster import calls
@@ -171,8 +172,9 @@ class RoleLaunch:
             ...
 
     Args:
-        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
-            Ray session and leaves it up (tests run many short runs in one session).
+        manage_ray: start Ray (per `config.cluster`) and shut it down at the end (a Ray this process had
+            started already is used and left up). False runs in the caller's Ray session and leaves it up
+            (tests run many short runs in one session).
     """
 
     def __init__(self, config: RunConfigBase, roles: Sequence[str],
@@ -180,6 +182,7 @@ class RoleLaunch:
         self.config, self.roles, self.role_args, self.manage_ray = config, list(roles), role_args, manage_ray
         self.groups: WorkerGroups | None = None
         self.error: BaseException | None = None  # what the start raised, re-raised by `running`
+        self._stops_ray = manage_ray and not ray.is_initialized()  # only a Ray it started
         if manage_ray:
             where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
             _say(f"{where} ...")
@@ -210,13 +213,13 @@ class RoleLaunch:
         self._stop(groups)
 
     def _stop(self, groups: WorkerGroups | None) -> None:
-        """Shut `groups` down, then Ray if managed (once)."""
+        """Shut `groups` down, then Ray if this launch started it (once)."""
         try:
             if groups is not None:
                 groups.shutdown()
         finally:
-            if self.manage_ray:
-                self.manage_ray = False
+            if self._stops_ray:
+                self._stops_ray = False
                 stop_ray()
 
     @contextlib.contextmanager

@@ -70,3 +70,13 @@ def test_a_worker_that_fails_to_start_is_reported_when_awaited(ray_session, tmp_
     with pytest.raises(WorkerStartError, match="actor_train: a worker failed to start"):
         with launch.running():
             pytest.fail("a launch whose worker failed must not yield")
+
+
+def test_a_launch_leaves_up_a_ray_it_did_not_start(ray_session, random_model_dir):
+    """`manage_ray=True` in a process whose Ray is already up (a notebook's, a test session's): the launch
+    uses it and, stopped by a failed check, leaves it running."""
+    launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=True)
+    with pytest.raises(ValueError, match="bad row"):
+        with launch.cancelled_on_error():
+            raise ValueError("bad row")
+    assert ray.is_initialized() and ray.get(ray.put(1)) == 1
