@@ -70,19 +70,19 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
     try:
         tree = (yaml.safe_load(Path(path).read_text()) if path else None) or {}
         cluster = tree.get("cluster") or {}
-        address, num_cpus, resume = cluster.get("address"), cluster.get("num_cpus"), tree.get("resume")
+        settings = {"cluster.address": cluster.get("address"), "cluster.num_cpus": cluster.get("num_cpus"),
+                    "resume": tree.get("resume")}
         for item in overrides:
             key, _, value = item.partition("=")
-            if key in ("cluster", "cluster.address", "cluster.num_cpus", "resume"):
-                value = yaml.safe_load(value)
-            if key == "cluster":
+            if key == "cluster":  # the whole section replaced: left to the loader
                 return
-            address = value if key == "cluster.address" else address
-            num_cpus = value if key == "cluster.num_cpus" else num_cpus
-            resume = value if key == "resume" else resume
+            if key in settings:
+                settings[key] = yaml.safe_load(value)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
         return  # the config loader says what is wrong
-    if address is not None or resume is True or num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
+    num_cpus = settings["cluster.num_cpus"]
+    if settings["cluster.address"] is not None or settings["resume"] is True or \
+            num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
         return
     from rollflow.cluster.runtime import prestart_ray
 

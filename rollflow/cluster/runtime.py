@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no network here, and no telemetry anyway
@@ -127,24 +128,26 @@ DRIVER_POLL_S = 1.0  # how often the reaper checks that the driver lives (beside
 # The reaper's program: load this file (not the package) as a module of its own, registered so that its
 # dataclasses resolve, and wait for the driver. argv: file, driver, session. (math_verifier.HELPER_PROGRAM
 # loads its file the same way; the layering keeps rewards/ from importing this one.)
-REAPER_PROGRAM = ("import importlib.util, sys\n"
-                  "spec = importlib.util.spec_from_file_location('rollflow_ray_reaper', sys.argv[1])\n"
-                  "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
-                  "spec.loader.exec_module(module)\n"
-                  "module.reap_after_driver(int(sys.argv[2]), sys.argv[3])\n")
+def _file_program(name: str, call: str) -> str:
+    """A `python -c` program that loads this file (argv[1]) as module `name`, then runs `call` on it."""
+    return ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location({name!r}, sys.argv[1])\n"
+            "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            f"module.{call}\n")
+
+
+REAPER_PROGRAM = _file_program("rollflow_ray_reaper", "reap_after_driver(int(sys.argv[2]), sys.argv[3])")
 
 _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this process started
 # The process `prestart_ray` started (it becomes the reaper once Ray's head is up) and its num_cpus; None when
 # there is none or `start_ray` took it over.
 _prestarted: tuple[subprocess.Popen, int | None] | None = None
 PRESTART_TIMEOUT_S = 120.0  # the longest `start_ray` waits for a prestarted head before starting its own
-# The prestarted head's program: load this file as a module of its own (as the reaper's) and run `run_head`.
-# argv: file, driver pid, num_cpus ("" for Ray's default).
-HEAD_PROGRAM = ("import importlib.util, sys\n"
-                "spec = importlib.util.spec_from_file_location('rollflow_ray_head', sys.argv[1])\n"
-                "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
-                "spec.loader.exec_module(module)\n"
-                "module.run_head(int(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None)\n")
+# The prestarted head's program (loads this file as the reaper's does). argv: file, driver pid, num_cpus ("" for
+# Ray's default).
+HEAD_PROGRAM = _file_program("rollflow_ray_head",
+                             "run_head(int(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None)")
 _log_monitor: DriverLogMonitor | None = None  # the log monitor thread of the local Ray this process started
 
 # Ray runs the function this variable names (a module path) in each worker process before its first task (what
@@ -179,7 +182,7 @@ def lean_process() -> None:
 
 def prestart_ray(num_cpus: int | None = None) -> None:
     """Start a local Ray with `num_cpus` in a process of its own, now, and return at once: the next
-    `start_ray(None, num_cpus)` connects to it (~0.4 s) instead of starting one (~2.5 s of this process's
+    `start_ray(None, num_cpus)` connects to it (~0.1 s once it is up) instead of starting one (~2.5 s of this process's
     time). The process starts Ray's head as `start_ray` would (same processes left out, same environment for
     the raylet and its workers), prints its address, then becomes the reaper of that Ray for this process.
     `stop_ray` (or `discard_prestarted_ray`) ends it all; so does this process's death, however it dies."""
@@ -302,51 +305,55 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # Ray announces its (default-on) token auth with a warning on every start; keep the console clean.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     runtime_env = {"env_vars": dict(RAY_ENV)}
-    if address is None and _prestarted is not None and _prestarted[1] == num_cpus:
-        if _connect_prestarted(_prestarted[0]):
-            return
-    discard_prestarted_ray()  # failed, or not the Ray asked for
     # ray.init replaces the SIGTERM handler with its own sys.exit; a handler the driver installed (StopSignals)
     # stays. Python handles signals in the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
     if address:
+        discard_prestarted_ray()
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING, log_to_driver=True)
     else:
         lean_process()
-        os.environ.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
-        # address="local": always a new local instance, never a stray cluster another process left running
-        with _lean_head_node() as head:
-            # no runtime_env: the local raylet and its workers inherit RAY_ENV from this process, and a job
-            # runtime env costs every worker start a round trip to Ray's runtime-env agent (~0.3 s)
-            context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                               logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
-        if head.skipped_log_monitor:
+        joined = _join_prestarted(num_cpus)
+        if joined is None:
+            os.environ.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
+            # address="local": always a new local instance, never a stray cluster another process left running
+            with _lean_head_node() as head:
+                # no runtime_env: the local raylet and its workers inherit RAY_ENV from this process, and a job
+                # runtime env costs every worker start a round trip to Ray's runtime-env agent (~0.3 s)
+                context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                                   logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+            skipped_log_monitor = head.skipped_log_monitor
+            if os.path.isdir("/proc"):  # the reaper finds the session's processes there (Linux)
+                _reaper = start_reaper(context.address_info["session_dir"])
+        else:
+            context, skipped_log_monitor = joined
+        if skipped_log_monitor:
             _log_monitor = DriverLogMonitor(context.address_info)
             _log_monitor.start()
-        if os.path.isdir("/proc"):  # the reaper finds the session's processes there (Linux)
-            _reaper = start_reaper(context.address_info["session_dir"])
     if callable(sigterm_handler):
         signal.signal(signal.SIGTERM, sigterm_handler)
 
 
-def _connect_prestarted(head: subprocess.Popen) -> bool:
-    """Connect this process to the head `prestart_ray` started, which becomes its reaper; False (and nothing
-    changed) if that head failed."""
-    global _reaper, _log_monitor, _prestarted
+def _join_prestarted(num_cpus: int | None) -> tuple[Any, bool] | None:
+    """Connect to the Ray `prestart_ray` started if it has `num_cpus`; its process becomes this driver's reaper.
+    Returns (Ray's context, whether the driver forwards the workers' output), or None (a prestarted Ray that
+    failed or is not the one asked for is ended)."""
+    global _reaper, _prestarted
     import ray
 
-    reply = _head_address(head)
+    if _prestarted is None:
+        return None
+    head, prestarted_cpus = _prestarted
+    reply = _head_address(head) if prestarted_cpus == num_cpus else None
     if reply is None:
-        return False
+        discard_prestarted_ray()
+        return None
     _prestarted = None
-    lean_process()
     if reply.get("token_auth"):  # the head's mode (RAY_AUTH_MODE, if set, is the same in both processes)
         from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
 
         enable_token_auth_by_default()
-    main_thread = threading.current_thread() is threading.main_thread()
-    sigterm_handler = signal.getsignal(signal.SIGTERM) if main_thread else None
     try:
         context = ray.init(address=reply["gcs_address"], logging_level=logging.WARNING, log_to_driver=True,
                            configure_logging=True)
@@ -354,12 +361,7 @@ def _connect_prestarted(head: subprocess.Popen) -> bool:
         stop_reaper(head)
         raise
     _reaper = head
-    if reply["skipped_log_monitor"]:
-        _log_monitor = DriverLogMonitor(context.address_info)
-        _log_monitor.start()
-    if callable(sigterm_handler):
-        signal.signal(signal.SIGTERM, sigterm_handler)
-    return True
+    return context, reply["skipped_log_monitor"]
 
 
 class _HeadNode:
@@ -371,8 +373,9 @@ class _HeadNode:
 def _lean_head_node() -> Iterator[_HeadNode]:
     """Start a local Ray without the head processes a single-node run does not need: the autoscaler monitor
     (a fixed instance has nothing to scale), the dashboard's API server (no dashboard, job or state API is
-    used), the Ray Client server (`ray start` starts one; nothing connects through it) and the log monitor (its work, forwarding workers' output to the console, runs as a thread of the
-    driver instead: `DriverLogMonitor`). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for
+    used), the Ray Client server (`ray start` starts one; nothing connects through it) and the log monitor
+    (its work, forwarding workers' output to the console, runs as a thread of the driver instead:
+    `DriverLogMonitor`). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for
     any of them, so the head node is adjusted while `ray.init` builds it; with a Ray whose internals differ,
     nothing changes."""
     head = _HeadNode()

@@ -81,11 +81,12 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """
     rollout, output, began = config.rollout, config.output, time.time()
     resume_point(config)  # a resume with nothing to resume fails before anything starts
-    role_args = {"actor_train": ("policy_gradient",), "reward": (model_rewards(config.reward),)}
-    launch = RoleLaunch(config, rlvr_roles(config), role_args, manage_ray)  # Ray and the workers start now
+    roles, role_args = rlvr_roles(config), {"actor_train": ("policy_gradient",),
+                                            "reward": (model_rewards(config.reward),)}
+    launch = RoleLaunch(config, roles, role_args, manage_ray)  # Ray and the workers start now
     with launch.cancelled_on_error():  # every prompt encoded and checked meanwhile; a bad one stops the start
         with span("check inputs"):
-            inputs = check_inputs(config, rlvr_roles(config))
+            inputs = check_inputs(config, roles)
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(config)

@@ -179,7 +179,7 @@ class RoleLaunch:
 
     def __init__(self, config: RunConfigBase, roles: Sequence[str],
                  role_args: Mapping[str, tuple[Any, ...]] | None = None, manage_ray: bool = True):
-        self.config, self.roles, self.role_args, self.manage_ray = config, list(roles), role_args, manage_ray
+        self.config, self.roles, self.role_args = config, list(roles), role_args
         self.groups: WorkerGroups | None = None
         self.error: BaseException | None = None  # what the start raised, re-raised by `running`
         self._stops_ray = manage_ray and not ray.is_initialized()  # only a Ray it started
