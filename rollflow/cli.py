@@ -24,8 +24,6 @@ def _train(args: argparse.Namespace) -> int:
     from rollflow.pipelines import PIPELINES
 
     overrides = args.overrides
-    if not (args.print_config or args.print_plan):
-        _prestart_ray(args.config, overrides)
     if args.pipeline is not None:  # `rollflow sft CFG`: the config may leave `pipeline` out, or must say sft
         from rollflow.config import pipeline_of
 
@@ -71,7 +69,7 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
         tree = (yaml.safe_load(Path(path).read_text()) if path else None) or {}
         cluster = tree.get("cluster") or {}
         settings = {"cluster.address": cluster.get("address"), "cluster.num_cpus": cluster.get("num_cpus"),
-                    "resume": tree.get("resume")}
+                    "resume": tree.get("resume"), "model.path": (tree.get("model") or {}).get("path")}
         for item in overrides:
             key, _, value = item.partition("=")
             if key == "cluster":  # the whole section replaced: left to the loader
@@ -85,8 +83,20 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
             num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
         return
     from rollflow.cluster.runtime import prestart_ray
+    from rollflow.workers import warm
 
-    prestart_ray(num_cpus)
+    model = settings["model.path"]
+    prestart_ray(num_cpus, warm_up=warm.SETUP_HOOK,
+                 warm_up_env={warm.MODEL_VARIABLE: model} if isinstance(model, str) else {})
+
+
+def _prestart_for_train(args: argparse.Namespace) -> None:
+    if not (args.print_config or args.print_plan):
+        _prestart_ray(args.config, args.overrides)
+
+
+def _prestart_for_eval(args: argparse.Namespace) -> None:
+    _prestart_ray(args.config, [f"model.path={args.model}", *args.overrides])
 
 
 def _keep_worker_traceback(err: BaseException, run_dir) -> None:
@@ -107,7 +117,6 @@ def _eval(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
 
     overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}"]
-    _prestart_ray(args.config, [*overrides, *args.overrides])
     if args.config is None:  # every row, as the quickstart's eval (the schema's default eval set stops at 200)
         overrides.append("data.eval.limit=null")
     if args.data:  # replaces the config's eval set, `task` or `path`
@@ -161,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--print-plan", action="store_true",
                        help="print which worker of which role sits on which device and node, and exit")
-    train.set_defaults(handler=_train, pipeline=None)
+    train.set_defaults(handler=_train, pipeline=None, prestart=_prestart_for_train)
 
     for name, what in (("sft", "supervised fine-tuning on conversations"),
                        ("dpo", "preference optimization (DPO, IPO, cDPO) against a frozen reference"),
@@ -171,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", help="overrides like train.steps=200")
         command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         command.add_argument("--print-plan", action="store_true", help="print the placement plan and exit")
-        command.set_defaults(handler=_train, pipeline=name)
+        command.set_defaults(handler=_train, pipeline=name, prestart=_prestart_for_train)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
     evaluate.add_argument("--model", required=True, help="bundled name, HF directory, checkpoint or hub id")
@@ -181,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "config's; without --config, all 500 held-out sums of add2)")
     evaluate.add_argument("--name", default="eval", help="run name for the output directory")
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
-    evaluate.set_defaults(handler=_eval)
+    evaluate.set_defaults(handler=_eval, prestart=_prestart_for_eval)
 
     build = commands.add_parser("build-tiny-model",
                                 help="rebuild the bundled tiny model: new-model, then SFT by examples/sft_tiny.yaml")
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "prestart", None) is not None:  # first: anything from rollflow below imports torch
+        args.prestart(args)
     from rollflow.errors import RollflowError
     from rollflow.pipelines.interrupts import Interrupted
 

@@ -37,8 +37,9 @@ def set_lane(lane: str) -> None:
 
 
 def record(name: str, start: float, end: float, lane: str | None = None, **args: Any) -> None:
-    """One span from `start` to `end` (`time.time()` seconds) in `lane` (default: this process's)."""
-    _spans.append((lane or _lane, name, start, end, threading.get_ident(), args))
+    """One span from `start` to `end` (`time.time()` seconds) in `lane` (default: this process's, as it is
+    when the spans are taken: a worker's setup before its lane is set lands in the lane it is given later)."""
+    _spans.append((lane, name, start, end, threading.get_ident(), args))
 
 
 @contextlib.contextmanager
@@ -56,7 +57,7 @@ def take() -> list[dict[str, Any]]:
     taken = []
     while _spans:
         lane, name, start, end, thread, args = _spans.popleft()
-        taken.append({"lane": lane, "name": name, "start": start, "end": end, "thread": thread, "args": args})
+        taken.append({"lane": lane or _lane, "name": name, "start": start, "end": end, "thread": thread, "args": args})
     return taken
 
 

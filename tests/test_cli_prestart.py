@@ -2,18 +2,33 @@
 plainly local Ray in a fresh process, with the `num_cpus` the file and overrides give; never for a cluster
 address, a resume, a value the loader would reject, or a process that imported torch already."""
 
+import subprocess
 import sys
 
 import pytest
 
 from rollflow import cli
+from rollflow.workers import warm
+
+
+class _Asked(list):
+    """The `num_cpus` of each prestart asked for; `models`: the model each one's warm worker was told."""
+
+    def __init__(self):
+        super().__init__()
+        self.models = []
+
+    def __call__(self, num_cpus, warm_up=None, warm_up_env=None):
+        assert warm_up == warm.SETUP_HOOK
+        self.append(num_cpus)
+        self.models.append((warm_up_env or {}).get(warm.MODEL_VARIABLE))
 
 
 @pytest.fixture
 def prestarts(monkeypatch):
     """The `num_cpus` of each prestart `_prestart_ray` asks for, in a process that looks fresh (no torch)."""
-    asked = []
-    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked.append)
+    asked = _Asked()
+    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked)
     monkeypatch.delitem(sys.modules, "torch")
     return asked
 
@@ -53,8 +68,41 @@ def test_a_missing_file_prestarts_nothing(tmp_path, prestarts):
 
 
 def test_a_process_with_torch_prestarts_nothing(tmp_path, monkeypatch):
-    asked = []
-    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked.append)
+    asked = _Asked()
+    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked)
     assert "torch" in sys.modules  # a test process, a notebook: nothing left to overlap
     cli._prestart_ray(_config(tmp_path, "name: a\n"), [])
     assert asked == []
+
+
+def test_the_warm_worker_is_told_the_config_s_model(tmp_path, prestarts):
+    cli._prestart_ray(_config(tmp_path, "model: {path: /models/a}\n"), [])
+    cli._prestart_ray(_config(tmp_path, "model: {path: /models/a}\n"), ["model.path=/models/b"])
+    cli._prestart_ray(_config(tmp_path, "name: a\n"), [])  # the default model: the worker's to resolve
+    assert prestarts.models == ["/models/a", "/models/b", None]
+
+
+FRESH = """
+import sys
+from rollflow.cluster import runtime
+
+def prestart_ray(num_cpus, warm_up=None, warm_up_env=None):
+    print("PRESTART", num_cpus, "torch" in sys.modules, flush=True)
+    raise SystemExit(0)
+
+runtime.prestart_ray = prestart_ray
+from rollflow.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("argv", [["train", "CONFIG"], ["sft", "CONFIG"], ["eval", "--model", "tiny"]])
+def test_the_command_line_prestarts_before_it_imports_torch(tmp_path, argv):
+    """From a fresh process, as a user runs it: the prestart is asked for before anything imports torch (the
+    CLI's own imports of the config and pipelines did, so the prestart never happened)."""
+    config = _config(tmp_path, "cluster: {num_cpus: 2}\n")
+    done = subprocess.run([sys.executable, "-c", FRESH, *[config if a == "CONFIG" else a for a in argv]],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = "PRESTART None False" if argv[0] == "eval" else "PRESTART 2 False"
+    assert done.stdout.splitlines() == [expected]

@@ -145,9 +145,10 @@ _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this proc
 _prestarted: tuple[subprocess.Popen, int | None] | None = None
 PRESTART_TIMEOUT_S = 120.0  # the longest `start_ray` waits for a prestarted head before starting its own
 # The prestarted head's program (loads this file as the reaper's does). argv: file, driver pid, num_cpus ("" for
-# Ray's default).
+# Ray's default), idle workers to start.
 HEAD_PROGRAM = _file_program("rollflow_ray_head",
-                             "run_head(int(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None)")
+                             "run_head(int(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None, "
+                             "int(sys.argv[4]))")
 _log_monitor: DriverLogMonitor | None = None  # the log monitor thread of the local Ray this process started
 
 # Ray runs the function this variable names (a module path) in each worker process before its first task (what
@@ -155,6 +156,13 @@ _log_monitor: DriverLogMonitor | None = None  # the log monitor thread of the lo
 # a runtime env). Ray internals: a Ray that does not know it ignores it.
 WORKER_SETUP_HOOK_VARIABLE = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 WORKER_SETUP_HOOK = "rollflow.cluster.runtime.lean_process"
+
+
+def is_warm_worker() -> bool:
+    """Whether this process is a worker the raylet started before any job existed (`prestart_ray`'s warm
+    worker): Ray gives such a worker the nil job id, all `f`s, until a job's first task or actor takes it over."""
+    job = os.environ.get("RAY_JOB_ID", "")
+    return bool(job) and set(job) == {"f"}
 
 
 def lean_process() -> None:
@@ -180,22 +188,33 @@ def lean_process() -> None:
     arrow_serialization._register_custom_datasets_serializers = register_when_loaded
 
 
-def prestart_ray(num_cpus: int | None = None) -> None:
+def prestart_ray(num_cpus: int | None = None, warm_up: str | None = None,
+                 warm_up_env: dict[str, str] | None = None) -> None:
     """Start a local Ray with `num_cpus` in a process of its own, now, and return at once: the next
     `start_ray(None, num_cpus)` connects to it (~0.1 s once it is up) instead of starting one (~2.5 s of this process's
     time). The process starts Ray's head as `start_ray` would (same processes left out, same environment for
     the raylet and its workers), prints its address, then becomes the reaper of that Ray for this process.
-    `stop_ray` (or `discard_prestarted_ray`) ends it all; so does this process's death, however it dies."""
+    `stop_ray` (or `discard_prestarted_ray`) ends it all; so does this process's death, however it dies.
+
+    With `warm_up` (a "module.function" path), the raylet also starts one idle worker as soon as it is up, and
+    every worker of this Ray runs that function as its setup hook instead of `lean_process` (it must call
+    `lean_process` itself; `is_warm_worker()` tells the idle worker, which no job owns yet, from the others),
+    with `warm_up_env` in its environment. The run's first actor takes that worker over: what the function
+    imported there is then already imported, on a core the driver's own imports leave free."""
     global _prestarted
     if _prestarted is not None or not os.path.isdir("/proc"):  # the reaper it becomes needs /proc (Linux)
         return
     env = {**os.environ, **{k: v for k, v in RAY_ENV.items() if k not in os.environ}}
+    if warm_up is not None:
+        env.update(warm_up_env or {})
+        env[WORKER_SETUP_HOOK_VARIABLE] = warm_up
+        env["RAY_enable_worker_prestart"] = "1"  # `_lean_head_node(warm_workers=1)` sets how many
     env.setdefault(WORKER_SETUP_HOOK_VARIABLE, WORKER_SETUP_HOOK)
     for var in THREAD_VARIABLES:  # what a pipeline's driver holds when it starts Ray (`pinned_threads(1)`)
         env.setdefault(var, "1")
     head = subprocess.Popen(
         [sys.executable, "-c", HEAD_PROGRAM, os.path.abspath(__file__), str(os.getpid()),
-         "" if num_cpus is None else str(num_cpus)],
+         "" if num_cpus is None else str(num_cpus), "1" if warm_up is not None else "0"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     _prestarted = (head, num_cpus)
 
@@ -225,7 +244,7 @@ def _head_address(head: subprocess.Popen, timeout_s: float = PRESTART_TIMEOUT_S)
     return reply if isinstance(reply, dict) and "gcs_address" in reply else None
 
 
-def run_head(driver_pid: int, num_cpus: int | None) -> None:
+def run_head(driver_pid: int, num_cpus: int | None, warm_workers: int = 0) -> None:
     """The prestarted head's main (`HEAD_PROGRAM`): `ray start --head` on a free port, without the processes
     `_lean_head_node` leaves out; one JSON line on stdout (`gcs_address`, `session_dir`,
     `skipped_log_monitor`, or `error`); then this process becomes the reaper of that Ray for `driver_pid`."""
@@ -253,7 +272,8 @@ def run_head(driver_pid: int, num_cpus: int | None) -> None:
         arguments = ["--head", f"--port={free_port()}", "--include-dashboard=false", "--disable-usage-stats"]
         if num_cpus is not None:
             arguments.append(f"--num-cpus={num_cpus}")
-        with _lean_head_node() as head, context.redirect_stdout(io.StringIO()):
+        with _lean_head_node(warm_workers) as head, context.redirect_stdout(io.StringIO()), \
+                _ray_address_file_kept():
             start.main(args=arguments, standalone_mode=False)
         node = head.node
         reply = {"gcs_address": node.address, "session_dir": node.address_info["session_dir"],
@@ -271,6 +291,34 @@ def run_head(driver_pid: int, num_cpus: int | None) -> None:
                               str(driver_pid), reply["session_dir"]])
 
 
+@contextlib.contextmanager
+def _ray_address_file_kept() -> Iterator[None]:
+    """Put back the file `ray start` writes its address to (/tmp/ray/ray_current_cluster): that file makes a
+    plain `ray.init()` join the cluster it names, which for a run's own Ray would be a dead one once the run
+    ends. The driver connects by address."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        path = get_ray_address_file(None)
+    except ImportError:  # a Ray that keeps it elsewhere: left as it is
+        yield
+        return
+    try:
+        with open(path) as previous:
+            before = previous.read()
+    except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if before is None:
+                os.remove(path)
+            else:
+                with open(path, "w") as current:
+                    current.write(before)
+
+
 def _reply(fd: int, reply: dict) -> None:
     """Write the head's one line to the driver and close the pipe. A driver that no longer reads (it discarded
     this head) is no reason to stop: the head becomes the reaper all the same, and ends its Ray."""
@@ -283,18 +331,22 @@ def _reply(fd: int, reply: dict) -> None:
         pass
 
 
-def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def start_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Start a local Ray (no dashboard, no usage stats) or join the cluster at `address`.
 
     A local Ray gets a reaper (see the module docstring), so none of its processes outlives this one. A SIGTERM
     handler this process installed before (e.g. `StopSignals`) is kept. A local Ray `prestart_ray` started
     with the same `num_cpus` is connected to; one with another is ended first.
+
+    Returns:
+        How: "running" (Ray was already up in this process), "joined" (the cluster at `address`),
+        "prestarted" (connected to the local Ray `prestart_ray` started) or "started" (a new local Ray).
     """
     global _reaper, _log_monitor
     import ray
 
     if ray.is_initialized():
-        return
+        return "running"
     if _log_monitor is not None:  # the previous local Ray was shut down without `stop_ray`
         _log_monitor.stop()
         _log_monitor = None
@@ -312,6 +364,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         discard_prestarted_ray()
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING, log_to_driver=True)
+        how = "joined"
     else:
         lean_process()
         joined = _join_prestarted(num_cpus)
@@ -326,13 +379,16 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             skipped_log_monitor = head.skipped_log_monitor
             if os.path.isdir("/proc"):  # the reaper finds the session's processes there (Linux)
                 _reaper = start_reaper(context.address_info["session_dir"])
+            how = "started"
         else:
             context, skipped_log_monitor = joined
+            how = "prestarted"
         if skipped_log_monitor:
             _log_monitor = DriverLogMonitor(context.address_info)
             _log_monitor.start()
     if callable(sigterm_handler):
         signal.signal(signal.SIGTERM, sigterm_handler)
+    return how
 
 
 def _join_prestarted(num_cpus: int | None) -> tuple[Any, bool] | None:
@@ -370,17 +426,18 @@ class _HeadNode:
 
 
 @contextlib.contextmanager
-def _lean_head_node() -> Iterator[_HeadNode]:
+def _lean_head_node(warm_workers: int | None = None) -> Iterator[_HeadNode]:
     """Start a local Ray without the head processes a single-node run does not need: the autoscaler monitor
     (a fixed instance has nothing to scale), the dashboard's API server (no dashboard, job or state API is
     used), the Ray Client server (`ray start` starts one; nothing connects through it) and the log monitor
     (its work, forwarding workers' output to the console, runs as a thread of the driver instead:
     `DriverLogMonitor`). Each costs start-up CPU and 50-100 MB. `ray.init` has no option for
     any of them, so the head node is adjusted while `ray.init` builds it; with a Ray whose internals differ,
-    nothing changes."""
+    nothing changes. With `warm_workers`, the raylet starts that many idle workers when it is up (Ray's default,
+    where worker prestart is on, is one per CPU)."""
     head = _HeadNode()
     try:
-        from ray._private import node
+        from ray._private import node, services
     except ImportError:
         yield head
         return
@@ -392,6 +449,7 @@ def _lean_head_node() -> Iterator[_HeadNode]:
         replace_log_monitor = True
     original_init, original_api_server = node.Node.__init__, node.Node.start_api_server
     original_log_monitor = node.Node.start_log_monitor
+    original_start_process = services.start_ray_process
 
     def init(self, ray_params, *args, **kwargs):
         if hasattr(ray_params, "no_monitor"):
@@ -409,14 +467,23 @@ def _lean_head_node() -> Iterator[_HeadNode]:
     def start_log_monitor(self):
         head.skipped_log_monitor = True
 
+    def start_ray_process(command, process_type, *args, **kwargs):
+        if process_type == "raylet":
+            flag = "--num_prestart_python_workers="
+            command = [f"{flag}{warm_workers}" if part.startswith(flag) else part for part in command]
+        return original_start_process(command, process_type, *args, **kwargs)
+
     node.Node.__init__, node.Node.start_api_server = init, start_api_server
     if replace_log_monitor:
         node.Node.start_log_monitor = start_log_monitor
+    if warm_workers is not None:
+        services.start_ray_process = start_ray_process
     try:
         yield head
     finally:
         node.Node.__init__, node.Node.start_api_server = original_init, original_api_server
         node.Node.start_log_monitor = original_log_monitor
+        services.start_ray_process = original_start_process
 
 
 class DriverLogMonitor(threading.Thread):

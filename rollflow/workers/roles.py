@@ -35,7 +35,7 @@ from rollflow.config import RoleConfig, RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError
 from rollflow.registry import Registry, import_object
-from rollflow.spans import span
+from rollflow.spans import record, span
 
 # role -> "module:Class" of its worker; the module is imported when the role starts.
 ROLE_WORKERS: Registry[str] = Registry("role")
@@ -186,8 +186,9 @@ class RoleLaunch:
         if manage_ray:
             where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
             _say(f"{where} ...")
-            with span("start ray"):
-                start_ray(config.cluster.address, config.cluster.num_cpus)
+            started = time.time()
+            how = start_ray(config.cluster.address, config.cluster.num_cpus)
+            record("start ray", started, time.time(), how=how)  # how: see `start_ray`
         self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._start, name="rollflow-launch", daemon=True)
         self._thread.start()

@@ -3,6 +3,7 @@ the driver imports, then becomes the reaper; `start_ray` connects to it if it is
 run, their output reaches the driver, the Ray is as lean as one `start_ray` starts itself), ends it if not,
 and no process of it outlives the driver, whichever way the driver ends."""
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,46 @@ def test_no_prestarted_process_outlives_its_driver(how):
     finally:
         driver.kill()
         driver.wait()
+
+
+WARM = """
+import json, os, sys
+import ray
+from rollflow.cluster import runtime
+from rollflow.workers import warm
+
+runtime.prestart_ray(1, warm_up=warm.SETUP_HOOK, warm_up_env={warm.MODEL_VARIABLE: "tiny"})
+how = runtime.start_ray(None, 1)
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def report(self):
+        from rollflow import spans
+        return {"pid": os.getpid(), "spans": [s["name"] for s in spans.take()],
+                "modeling": "transformers.models.qwen2.modeling_qwen2" in sys.modules}
+
+probes = [Probe.remote(), Probe.remote()]
+print("RESULT", how, json.dumps(ray.get([probe.report.remote() for probe in probes])), flush=True)
+runtime.stop_ray()
+"""
+
+
+def test_the_prestarted_ray_has_one_warm_worker_for_the_first_actor():
+    """`prestart_ray(warm_up=...)`: the raylet starts one idle worker with the head, which imports the worker
+    classes and the model's modeling code before any job exists; an actor takes it over (the imports done),
+    the next one gets a worker of its own that skipped the warm-up. `ray start`'s address file is put back."""
+    from ray._common.utils import get_ray_address_file
+
+    address_file = get_ray_address_file(None)
+    before = open(address_file).read() if os.path.exists(address_file) else None
+    done = subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    (result,) = [line.split(maxsplit=2)[1:] for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    how, reports = result[0], json.loads(result[1])
+    assert how == "prestarted"
+    warm, cold = sorted(reports, key=lambda report: "warm up" not in report["spans"])
+    assert warm["spans"] == ["warm up"] and warm["modeling"], reports
+    assert cold["spans"] == [] and not cold["modeling"], reports  # a job's worker: only lean_process
+    assert warm["pid"] != cold["pid"]
+    after = open(address_file).read() if os.path.exists(address_file) else None
+    assert after == before  # a plain `ray.init()` elsewhere must not try to join this run's (dead) Ray

@@ -35,6 +35,12 @@ def test_lora_run_learns_and_its_checkpoint_loads_with_peft(tmp_path):
     # a KL term makes the trainer ask actor_train for reference logprobs: its base model, adapters off
     _train("train.steps=10", "train.lr_schedule=constant", "eval.every_steps=10", "data.eval.limit=200",
            "algorithm.kl_loss_coef=0.01", "output.trackers=[jsonl]", "name=lora", f"output.dir={tmp_path}")
+    # as a user runs it: the command line's own Ray, its warm worker taken over by the trainer
+    events = json.loads((tmp_path / "lora" / "timeline.json").read_text())["traceEvents"]
+    lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    (ray_start,) = [e for e in events if e["name"] == "start ray"]
+    assert ray_start["args"] == {"how": "prestarted"}
+    assert [lanes[e["pid"]] for e in events if e["name"] == "warm up"] == ["actor_train 0"]
     rows = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     initial, final = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert final >= initial + 0.10, (initial, final)

@@ -57,6 +57,16 @@ def test_traced_worker_records_outer_public_calls_in_its_lane():
     assert asyncio.run(worker.pop_spans()) == []  # handed over once
 
 
+def test_a_span_recorded_before_the_process_has_its_lane_lands_in_the_lane_it_gets():
+    """A warm worker records its warm-up before an actor takes it over and names its lane."""
+    spans.record("warm up", 1.0, 2.0)
+    spans.record("elsewhere", 1.0, 2.0, lane="driver")
+    cls = spans.traced(Worker, lambda placement, *_: f"{placement.role} {placement.index}")
+    cls(Placement(), 2)
+    assert [(s["lane"], s["name"]) for s in spans.take()] == [
+        ("actor_train 3", "warm up"), ("driver", "elsewhere"), ("actor_train 3", "start")]
+
+
 def test_a_failing_call_is_still_a_span_and_the_next_call_is_recorded():
     cls = spans.traced(Worker, lambda *_: "w 0")
     worker = cls(None, None)
