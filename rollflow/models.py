@@ -211,3 +211,66 @@ def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> list[int]:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
     return text.splitlines()[0]
+
+
+CPU_ATTENTION = "rollflow_cpu"  # the attention implementation `use_cpu_attention` switches a model to
+SHORT_KEYS = 32  # at most this many keys, a multi-token query runs as matmul-softmax-matmul too (see below)
+
+
+def cpu_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention as matmul, softmax, matmul where that beats torch's sdpa on CPU; anything else goes to sdpa.
+
+    On CPU, `scaled_dot_product_attention` is built for long sequences: one query token (decode) runs ~1.5-2x
+    slower than these three ops, and so does a training or prefill pass over short rows (the bundled model's
+    ~12-token sums: the model's whole forward and backward ~15% slower). From ~48 keys on, sdpa wins.
+
+    Args:
+        query: [B, H, Q, D]; key, value: [B, KV, L, D] (H a multiple of KV: grouped-query attention; the last
+            Q of the L positions are the queries').
+        attention_mask: None (causal when Q > 1 and the module is causal) or transformers' sdpa mask, bool
+            [B, 1, Q, L] (True: attend).
+
+    Returns:
+        ([B, Q, H, D] attention output, None), the attention-interface convention.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    plain = ((queries == 1 or length <= SHORT_KEYS) and not dropout and kwargs.get("softcap") is None
+             and kwargs.get("s_aux") is None and heads % kv_heads == 0
+             and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1)))
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    groups = heads // kv_heads
+    # query head h attends with key head h // groups (transformers' repeat_kv): no copies of keys or values
+    grouped = query.reshape(batch, kv_heads, groups * queries, dim)  # [B, KV, G*Q, D]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # [B, KV, G*Q, L]
+    scores = scores.view(batch, kv_heads, groups, queries, length) * (scaling if scaling is not None else dim ** -0.5)
+    if attention_mask is None and queries > 1 and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        positions = torch.arange(length, device=query.device)
+        attention_mask = (positions[None, :] <= positions[length - queries:, None]).view(1, 1, queries, length)
+    if attention_mask is not None:
+        mask = attention_mask.unsqueeze(2)  # [B or 1, 1, 1, Q, L]
+        # the dtype's lowest value, not -inf: a padding query with no key to attend stays finite (its output
+        # is never used; a NaN there would still reach the gradients through 0 * NaN)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, KV, G, Q, L]
+    output = torch.matmul(probs.view(batch, kv_heads, groups * queries, length), value)  # [B, KV, G*Q, D]
+    return output.view(batch, heads, queries, dim).transpose(1, 2), None
+
+
+def use_cpu_attention(model: torch.nn.Module) -> None:
+    """Switch a model that uses sdpa to `cpu_attention` (a model with its own attention keeps it). For models
+    on CPU: on a GPU, sdpa's kernels win at every length."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if CPU_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CPU_ATTENTION, cpu_attention)
+        AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)  # the same masks as sdpa
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(CPU_ATTENTION)

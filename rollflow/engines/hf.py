@@ -35,10 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollflow.engines.base import (
     Completion,
@@ -51,7 +48,7 @@ from rollflow.engines.base import (
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
-from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer
+from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer, use_cpu_attention
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the engine keeps a set of them
@@ -106,7 +103,7 @@ class HFEngine:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
         if self.device.type == "cpu":
-            _use_cpu_decode_attention(self.model)
+            use_cpu_attention(self.model)
         tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.eos_ids = eos_token_ids(self.model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
@@ -667,52 +664,6 @@ def _ban_stop_ids(scaled: torch.Tensor, stop_ids: torch.Tensor, blocked: torch.T
     index = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1].clamp(min=0))  # [B, S]
     values = scaled.gather(1, index).masked_fill(banned.unsqueeze(1), float("-inf"))  # [B, S]
     return scaled.scatter(1, index, values)
-
-
-CPU_DECODE_ATTENTION = "rollflow_cpu_decode"
-
-
-def cpu_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                         scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of one new token per row as matmul, softmax, matmul; anything else goes to torch's sdpa.
-
-    On CPU, `scaled_dot_product_attention` with a single query token runs ~1.5-2x slower than these
-    three ops (it is built for long queries), and decode is nearly all single-token attention.
-
-    Args:
-        query: [B, H, 1, D]; key, value: [B, KV, L, D] (H a multiple of KV: grouped-query attention).
-        attention_mask: None or transformers' sdpa mask, bool [B, 1, 1, L] (True: attend).
-
-    Returns:
-        ([B, 1, H, D] attention output, None), the attention-interface convention.
-    """
-    plain = (query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None
-             and kwargs.get("s_aux") is None and (attention_mask is None or attention_mask.shape[1] == 1))
-    if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    batch, heads, _, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, KV, G, D]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # [B, KV, G, L]
-    scores = scores * (scaling if scaling is not None else dim ** -0.5)
-    if attention_mask is not None:
-        mask = attention_mask.reshape(batch, 1, 1, length)  # [B, 1, 1, L]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, KV, G, L]
-    output = torch.matmul(probs, value)  # [B, KV, G, D]
-    return output.reshape(batch, heads, 1, dim).transpose(1, 2), None
-
-
-AttentionInterface.register(CPU_DECODE_ATTENTION, cpu_decode_attention)
-AttentionMaskInterface.register(CPU_DECODE_ATTENTION, sdpa_mask)  # same masks as sdpa
-
-
-def _use_cpu_decode_attention(model: torch.nn.Module) -> None:
-    """Switch a model that uses sdpa to `cpu_decode_attention` (models with their own attention keep it)."""
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(CPU_DECODE_ATTENTION)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:

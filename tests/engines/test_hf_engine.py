@@ -1,18 +1,16 @@
 import asyncio
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
 from rollflow.engines.base import SEED_MODULUS, GenerationRequest, SamplingParams, sample_seed
-from rollflow.engines.hf import HFEngine, cpu_decode_attention
+from rollflow.engines.hf import HFEngine
 from rollflow.errors import EngineError
 from rollflow.registry import UnknownNameError
 
@@ -178,22 +176,6 @@ def test_any_request_seed_gives_sample_seeds_inside_torch_range(engine):
     params = SamplingParams(max_new_tokens=3, n=2, seed=SEED_MODULUS - 1)
     first, second = (_outcomes(engine, [GenerationRequest("s", PROMPTS[0], params)])[0] for _ in range(2))
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
-
-
-def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
-    """The matmul decode attention against torch's sdpa: 4 query heads on 2 KV heads, a padded row."""
-    torch.manual_seed(0)
-    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
-    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
-    mask[1, ..., :2] = False  # row 1 is left-padded by two positions
-    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
-    module = SimpleNamespace(num_key_value_groups=2)
-    for attention_mask in (mask, None):
-        if attention_mask is None:
-            expected = F.scaled_dot_product_attention(query, key, value, scale=0.3, enable_gqa=True)
-        output, weights = cpu_decode_attention(module, query, key, value, attention_mask, scaling=0.3)
-        assert weights is None and output.shape == (3, 1, 4, 8)  # [B, 1, H, D]
-        assert torch.allclose(output, expected.transpose(1, 2), atol=1e-6)
 
 
 def test_engine_registry_is_lazy_and_rejects_unknown_names(random_model_dir):
