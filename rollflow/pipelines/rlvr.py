@@ -32,6 +32,7 @@ from rollflow.pipelines.run_directory import (
     save_checkpoint,
     write_placement,
 )
+from rollflow.rewards.registry import warm_up_rewards
 from rollflow.rollout.filters import check_some_succeeded, usable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.rollout.stream import RolloutStream
@@ -90,6 +91,9 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(config)
+        reward = config.reward  # math-verify's helpers start while the workers do, not in the first step
+        warm_up_rewards([f.name for f in reward.functions]
+                        + [f.name for functions in (reward.domains or {}).values() for f in functions])
     tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
 
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \

@@ -123,6 +123,13 @@ def math_answer(completion: str, *, timeout_s: float = 5.0, **row) -> float:
     return 1.0 if default_verifier().verify(answer, completion, timeout_s).correct else 0.0
 
 
+def _start_math_verify_helpers() -> None:
+    default_verifier().start_helpers()
+
+
+math_answer.warm_up = _start_math_verify_helpers  # `warm_up_rewards`: a run starts them with its workers
+
+
 @REWARD_FUNCTIONS.register("exact_match")
 @needs_columns("answer")
 def exact_match(completion: str, **row) -> float:

@@ -138,8 +138,8 @@ def _spawner_loop() -> None:
                 future.set_exception(error)
 
 
-def _start_helper() -> _Helper:
-    """Start a helper from one long-lived daemon thread.
+def _spawn_helper() -> Future:
+    """Have a helper start from one long-lived daemon thread; the future's result is the started helper.
 
     The helper asks Linux to kill it when its parent dies (PR_SET_PDEATHSIG), and Linux means the parent
     *thread*: started from a short-lived worker thread, it would be killed when that thread ends.
@@ -151,7 +151,7 @@ def _start_helper() -> _Helper:
             _spawner.start()
     future: Future = Future()
     _spawn_requests.put(future)
-    return future.result()
+    return future
 
 
 class MathVerifier:
@@ -164,11 +164,33 @@ class MathVerifier:
     def __init__(self, max_helpers: int = 2):
         if max_helpers < 1:
             raise ValueError(f"max_helpers must be >= 1, got {max_helpers}")
-        self._idle: queue.LifoQueue[_Helper | None] = queue.LifoQueue()
+        # a slot: an idle helper, None (started on first use) or a Future of one starting (`start_helpers`)
+        self._idle: queue.LifoQueue[_Helper | Future | None] = queue.LifoQueue()
         for _ in range(max_helpers):
-            self._idle.put(None)  # a free slot; the helper starts on first use
+            self._idle.put(None)
         self._all: set[_Helper] = set()
         self._lock = threading.Lock()
+
+    def start_helpers(self) -> None:
+        """Start the helpers not started yet, in the background, and return at once: the first verifications
+        then find them up instead of waiting ~1 s each for one to import math-verify (a run calls this while
+        its workers start). A helper that fails to start is started again on first use."""
+        slots = []
+        while True:
+            try:
+                slots.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
+        for slot in slots:
+            if slot is None:
+                slot = _spawn_helper()
+                slot.add_done_callback(self._track)
+            self._idle.put(slot)
+
+    def _track(self, future: Future) -> None:
+        if future.exception() is None:
+            with self._lock:
+                self._all.add(future.result())
 
     def verify(self, gold: str, prediction: str, timeout_s: float = 5.0) -> Verdict:
         """Parse both texts with math-verify and compare them, within `timeout_s`.
@@ -184,8 +206,10 @@ class MathVerifier:
         """
         helper = self._idle.get()
         try:
+            if isinstance(helper, Future):  # started by `start_helpers`
+                helper = helper.result() if helper.exception() is None else None
             if helper is None:
-                helper = _start_helper()
+                helper = _spawn_helper().result()
                 with self._lock:
                     self._all.add(helper)
             verdict = helper.request(gold, prediction, timeout_s)

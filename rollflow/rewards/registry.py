@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -182,6 +182,16 @@ def reward_option_names(fn: Callable[..., Any]) -> list[str]:
     """
     params = inspect.signature(fn).parameters.values()
     return sorted(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def warm_up_rewards(specs: Iterable[str]) -> None:
+    """Let the registered reward functions among `specs` start now what they would start on first use (their
+    `warm_up()`: math_answer's math-verify helper processes), in the background. Names that are not
+    registered, and functions without `warm_up`, are skipped."""
+    for spec in set(specs):
+        warm_up = getattr(REWARD_FUNCTIONS.get(spec), "warm_up", None) if spec in REWARD_FUNCTIONS else None
+        if callable(warm_up):
+            warm_up()
 
 
 def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> RewardFn | ModelReward:

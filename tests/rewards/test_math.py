@@ -166,3 +166,49 @@ def test_helper_outlives_the_thread_that_started_it():
         assert verdict.correct and not verdict.killed
     finally:
         verifier.close()
+
+
+def test_start_helpers_starts_them_in_the_background_and_verify_uses_them(monkeypatch):
+    """`start_helpers` returns at once; the helpers it started serve the first verifications (none is started
+    in `verify`), and calling it again starts none."""
+    from rollflow.rewards import math_verifier
+
+    verifier = MathVerifier(max_helpers=2)
+    spawned = []
+    real_spawn = math_verifier._spawn_helper
+
+    def spawn():
+        spawned.append(threading.current_thread().name)
+        return real_spawn()
+
+    monkeypatch.setattr(math_verifier, "_spawn_helper", spawn)
+    try:
+        started = time.monotonic()
+        verifier.start_helpers()
+        assert time.monotonic() - started < 0.2  # a helper takes ~1 s to import math-verify
+        verifier.start_helpers()
+        assert len(spawned) == 2
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            verifier.verify("1/2", "\\boxed{\\frac{2}{4}}").correct)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert results == [True] * 4
+        assert len(spawned) == 2 and len(verifier._all) == 2  # the background ones, no more
+    finally:
+        verifier.close()
+
+
+def test_a_run_warms_up_the_rewards_it_uses(monkeypatch):
+    """`warm_up_rewards`: math_answer starts its helpers; others, unknown names and dotted paths are skipped."""
+    from rollflow.rewards import math_verifier
+    from rollflow.rewards.registry import warm_up_rewards
+
+    calls = []
+    monkeypatch.setattr(math_verifier.MathVerifier, "start_helpers", lambda self: calls.append(self))
+    warm_up_rewards(["exact_match", "my.module:score", "nope"])
+    assert calls == []
+    warm_up_rewards(["math_answer", "exact_match", "math_answer"])
+    assert calls == [math_verifier.default_verifier()]
