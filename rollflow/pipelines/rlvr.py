@@ -43,7 +43,7 @@ from rollflow.trackers.samples import write_samples
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.workers.advantages import AdvantageStage
 from rollflow.workers.parity import check_logprob_parity, parity_probe
-from rollflow.workers.reward import model_rewards
+from rollflow.workers.reward import configured_rewards, model_rewards
 from rollflow.workers.roles import RoleLaunch
 
 # The roles each phase of a step runs (what `ColocationManager` onloads; colocated idle roles are offloaded).
@@ -91,9 +91,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(config)
-        reward = config.reward  # math-verify's helpers start while the workers do, not in the first step
-        warm_up_rewards([f.name for f in reward.functions]
-                        + [f.name for functions in (reward.domains or {}).values() for f in functions])
+        # math-verify's helpers start while the workers do, not in the first step
+        warm_up_rewards(f.name for functions in configured_rewards(config.reward).values() for f in functions)
     tokenizer, eval_prompts = inputs.tokenizer, inputs.eval_prompts
 
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \

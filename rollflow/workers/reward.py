@@ -29,6 +29,13 @@ from rollflow.rewards.registry import Row
 from rollflow.workers.base import PlacedWorker, move_report, torch_device
 
 
+def configured_rewards(reward_config) -> dict[str, list]:
+    """Where each list of reward functions is configured -> that list: `reward.functions` and every domain's
+    own list (`reward.domains.<name>`)."""
+    return {"reward.functions": reward_config.functions,
+            **{f"reward.domains.{name}": functions for name, functions in (reward_config.domains or {}).items()}}
+
+
 def model_rewards(reward_config) -> dict[str, ModelReward]:
     """The configured rewards that need reward workers, by name, their options bound and checked: those of
     `reward.functions` and of every domain's own list (`reward.domains`).
@@ -40,11 +47,8 @@ def model_rewards(reward_config) -> dict[str, ModelReward]:
         RewardLoadError: a reward that does not resolve, or a model reward configured with different kwargs
             in two places (its workers hold one scorer per name) (one line).
     """
-    lists = {"reward.functions": reward_config.functions,
-             **{f"reward.domains.{name}": functions
-                for name, functions in (reward_config.domains or {}).items()}}
     found: dict[str, tuple[str, dict, ModelReward]] = {}  # name -> (where, kwargs, reward)
-    for where, functions in lists.items():
+    for where, functions in configured_rewards(reward_config).items():
         for function in functions:
             reward = resolve_reward(function.name, function.kwargs)
             if not isinstance(reward, ModelReward):
