@@ -15,6 +15,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import collate
+from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.models import resolve_model_path
 from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
@@ -39,9 +40,9 @@ class Remote:
 
 class ScriptedEngine:
     """Answers every turn with `action` (+ EOS), logprob -0.5 per token, tagged with its version; records
-    every prompt it was given. `delay(prompt)` seconds before answering."""
+    every prompt it was given. `delay(request)` seconds before answering."""
 
-    def __init__(self, action: str = "Right", delay=lambda prompt: 0.0):
+    def __init__(self, action: str = "Right", delay=lambda request: 0.0):
         self.action_ids = TOKENIZER(action, add_special_tokens=False)["input_ids"] + [EOS]
         self.delay, self.version = delay, 0
         self.prompts: list[list[int]] = []
@@ -50,7 +51,7 @@ class ScriptedEngine:
 
     async def generate(self, request):
         self.prompts.append(list(request.prompt_ids))
-        await asyncio.sleep(self.delay(request.prompt_ids))
+        await asyncio.sleep(self.delay(request))
         ids = list(self.action_ids)
         self.outputs.append(ids)
         return Completion(request.request_id, [CompletionOutput(ids, [-0.5] * len(ids), [self.version] * len(ids))])
@@ -132,11 +133,13 @@ def test_step_samples_carry_one_turn_each_and_the_advantages_land_on_their_token
 
 
 def test_redundant_groups_keep_the_first_finishers_and_abort_the_rest():
-    calls = []
+    slow = []
 
-    def delay(prompt):  # the first request (slot 0's first turn) is slow
-        calls.append(prompt)
-        return 2.0 if len(calls) == 1 else 0.0
+    def delay(request):  # slot 0's first turn is slow (its seed names it; the three resets race)
+        if request.params.seed == derive_seed(0, "turn", 0, 0, 0):
+            slow.append(request.request_id)
+            return 2.0
+        return 0.0
 
     engine = ScriptedEngine("Right", delay)
     envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}},
@@ -150,7 +153,7 @@ def test_redundant_groups_keep_the_first_finishers_and_abort_the_rest():
     group = result.groups[0]
     assert [e.slot for e in group.episodes] == [1, 2]  # slot 0 was the slow one
     assert group.aborted == 1 and result.metrics["rollout/aborted"] == 1
-    assert elapsed < 1.5 and engine.aborted  # did not wait for the slow episode; its request was aborted
+    assert elapsed < 1.5 and slow and engine.aborted == slow  # did not wait for the slow episode; its request was aborted
 
 
 def test_failing_and_hanging_envs_fail_their_episodes_and_never_the_step():
@@ -209,8 +212,8 @@ def test_async_groups_older_than_the_staleness_bound_are_dropped():
 def test_lockstep_turns_wait_for_every_episode_of_the_step():
     order = []
 
-    def delay(prompt):
-        order.append(len(prompt))
+    def delay(request):
+        order.append(len(request.prompt_ids))
         return 0.0
 
     engine = ScriptedEngine("Right", delay)
