@@ -88,9 +88,13 @@ from rollflow.cluster import runtime
 
 def prestart_ray(num_cpus, warm_up=None, warm_up_env=None):
     print("PRESTART", num_cpus, "torch" in sys.modules, flush=True)
+
+def wait_for_prestarted_ray():
+    print("WAIT", "torch" in sys.modules, flush=True)
     raise SystemExit(0)
 
 runtime.prestart_ray = prestart_ray
+runtime.wait_for_prestarted_ray = wait_for_prestarted_ray
 from rollflow.cli import main
 main(sys.argv[1:])
 """
@@ -99,10 +103,11 @@ main(sys.argv[1:])
 @pytest.mark.parametrize("argv", [["train", "CONFIG"], ["sft", "CONFIG"], ["eval", "--model", "tiny"]])
 def test_the_command_line_prestarts_before_it_imports_torch(tmp_path, argv):
     """From a fresh process, as a user runs it: the prestart is asked for before anything imports torch (the
-    CLI's own imports of the config and pipelines did, so the prestart never happened)."""
+    CLI's own imports of the config and pipelines did, so the prestart never happened), said, and waited for
+    before the imports too (they would only slow Ray's start down)."""
     config = _config(tmp_path, "cluster: {num_cpus: 2}\n")
     done = subprocess.run([sys.executable, "-c", FRESH, *[config if a == "CONFIG" else a for a in argv]],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     expected = "PRESTART None False" if argv[0] == "eval" else "PRESTART 2 False"
-    assert done.stdout.splitlines() == [expected]
+    assert done.stdout.splitlines() == [expected, "starting Ray ...", "WAIT False"]

@@ -140,9 +140,10 @@ def _file_program(name: str, call: str) -> str:
 REAPER_PROGRAM = _file_program("rollflow_ray_reaper", "reap_after_driver(int(sys.argv[2]), sys.argv[3])")
 
 _reaper: subprocess.Popen | None = None  # the reaper of the local Ray this process started
-# The process `prestart_ray` started (it becomes the reaper once Ray's head is up) and its num_cpus; None when
-# there is none or `start_ray` took it over.
-_prestarted: tuple[subprocess.Popen, int | None] | None = None
+# The process `prestart_ray` started (it becomes the reaper once Ray's head is up), its num_cpus and its reply
+# once read (`_head_address`; `wait_for_prestarted_ray` reads it early); None when there is none or `start_ray`
+# took it over.
+_prestarted: tuple[subprocess.Popen, int | None, dict | None] | None = None
 PRESTART_TIMEOUT_S = 120.0  # the longest `start_ray` waits for a prestarted head before starting its own
 # The prestarted head's program (loads this file as the reaper's does). argv: file, driver pid, num_cpus ("" for
 # Ray's default), idle workers to start.
@@ -216,7 +217,30 @@ def prestart_ray(num_cpus: int | None = None, warm_up: str | None = None,
         [sys.executable, "-c", HEAD_PROGRAM, os.path.abspath(__file__), str(os.getpid()),
          "" if num_cpus is None else str(num_cpus), "1" if warm_up is not None else "0"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
-    _prestarted = (head, num_cpus)
+    _prestarted = (head, num_cpus, None)
+
+
+def wait_for_prestarted_ray() -> bool:
+    """Wait until the Ray `prestart_ray` started is up (its raylet has started the warm worker by then);
+    whether it is. A driver that waits before its own imports leaves both cores to Ray's start, which is the
+    start-up's critical path when a warm worker's imports follow it: on 2 cores the warm worker starts ~0.7 s
+    sooner, and the driver's imports and checks still end before the warm worker's (bench/step_overhead.py)."""
+    global _prestarted
+    if _prestarted is None:
+        return False
+    head, num_cpus, reply = _prestarted
+    if reply is None:
+        reply = _head_address(head)
+        if reply is None:
+            discard_prestarted_ray()
+            return False
+        _prestarted = (head, num_cpus, reply)
+    return True
+
+
+def prestarted_ray_up() -> bool:
+    """Whether a Ray `prestart_ray` started is known to be up (`wait_for_prestarted_ray` said so)."""
+    return _prestarted is not None and _prestarted[2] is not None
 
 
 def discard_prestarted_ray() -> None:
@@ -224,7 +248,7 @@ def discard_prestarted_ray() -> None:
     for Ray) end, with its processes; returns at once (they end within a few seconds, on their own)."""
     global _prestarted
     if _prestarted is not None:
-        head, _ = _prestarted
+        head = _prestarted[0]
         _prestarted = None
         stop_reaper(head, timeout_s=0)  # it ends its Ray by itself; a head still starting does so once up
 
@@ -400,8 +424,11 @@ def _join_prestarted(num_cpus: int | None) -> tuple[Any, bool] | None:
 
     if _prestarted is None:
         return None
-    head, prestarted_cpus = _prestarted
-    reply = _head_address(head) if prestarted_cpus == num_cpus else None
+    head, prestarted_cpus, reply = _prestarted
+    if prestarted_cpus != num_cpus:
+        reply = None
+    elif reply is None:
+        reply = _head_address(head)
     if reply is None:
         discard_prestarted_ray()
         return None

@@ -30,7 +30,7 @@ from rollflow.cluster.groups import (
     reserve_bundles,
 )
 from rollflow.cluster.placement import PlacementPlan, plan_placement
-from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.cluster.runtime import prestarted_ray_up, start_ray, stop_ray
 from rollflow.config import RoleConfig, RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError
@@ -184,8 +184,10 @@ class RoleLaunch:
         self.error: BaseException | None = None  # what the start raised, re-raised by `running`
         self._stops_ray = manage_ray and not ray.is_initialized()  # only a Ray it started
         if manage_ray:
-            where = f"joining Ray at {config.cluster.address}" if config.cluster.address else "starting Ray"
-            _say(f"{where} ...")
+            if config.cluster.address:
+                _say(f"joining Ray at {config.cluster.address} ...")
+            elif not prestarted_ray_up():  # the command line said it when it prestarted Ray (`_prestart_ray`)
+                _say("starting Ray ...")
             started = time.time()
             how = start_ray(config.cluster.address, config.cluster.num_cpus)
             record("start ray", started, time.time(), how=how)  # how: see `start_ray`

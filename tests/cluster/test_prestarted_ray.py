@@ -21,6 +21,8 @@ from rollflow.cluster import runtime
 
 runtime.prestart_ray(int(sys.argv[1]))
 head = runtime._prestarted[0]
+if sys.argv[3:] == ["wait"]:  # as the command line does: the head is up before the driver imports
+    print("UP", runtime.wait_for_prestarted_ray(), runtime.prestarted_ray_up(), flush=True)
 runtime.start_ray(None, int(sys.argv[2]))
 session_dir = ray._private.worker._global_node.get_session_dir_path()
 
@@ -37,10 +39,11 @@ print("STOPPED", head.poll(), f"{time.monotonic() - started:.2f}", flush=True)
 """
 
 
-def _run(*cpus: int) -> tuple[dict, str]:
-    """CONNECT with prestart_ray(cpus[0]) and start_ray(None, cpus[1]): its RESULT fields, and all it printed."""
-    done = subprocess.run([sys.executable, "-c", CONNECT, *map(str, cpus)], capture_output=True, text=True,
-                          timeout=120)
+def _run(*cpus: int, wait: bool = False) -> tuple[dict, str]:
+    """CONNECT with prestart_ray(cpus[0]), `wait_for_prestarted_ray()` if `wait`, and start_ray(None, cpus[1]): its
+    RESULT fields, and all it printed."""
+    done = subprocess.run([sys.executable, "-c", CONNECT, *map(str, cpus), *(["wait"] if wait else [])],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     (result,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT")]
     session_dir, head, adopted, num_cpus, worker = result
@@ -91,7 +94,8 @@ def test_start_ray_connects_to_the_prestarted_head():
 
 def test_a_prestarted_head_with_other_cpus_is_ended_and_replaced():
     raylets = _raylets()
-    result, printed = _run(1, 2)
+    result, printed = _run(1, 2, wait=True)  # up and waited for, but not the Ray asked for
+    assert "UP True True" in printed.splitlines()
     assert not result["adopted"] and result["num_cpus"] == 2.0  # a Ray of the driver's own, then
     assert _gone(result["head"])  # the prestarted head (by then its Ray's reaper) ended it and itself
     assert _all_gone(result["session_dir"])
@@ -156,6 +160,7 @@ from rollflow.cluster import runtime
 from rollflow.workers import warm
 
 runtime.prestart_ray(1, warm_up=warm.SETUP_HOOK, warm_up_env={warm.MODEL_VARIABLE: "tiny"})
+assert runtime.wait_for_prestarted_ray()  # as the command line does
 how = runtime.start_ray(None, 1)
 
 @ray.remote(num_cpus=0)
