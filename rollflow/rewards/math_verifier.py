@@ -208,6 +208,9 @@ class MathVerifier:
         try:
             if isinstance(helper, Future):  # started by `start_helpers`
                 helper = helper.result() if helper.exception() is None else None
+            if helper is not None and helper.process.poll() is not None:  # died idle (killed, OOM, `close`)
+                self._discard(helper)
+                helper = None
             if helper is None:
                 helper = _spawn_helper().result()
                 with self._lock:
@@ -227,12 +230,27 @@ class MathVerifier:
             self._all.discard(helper)
 
     def close(self) -> None:
-        """Kill every helper process (idle ones now; busy ones are killed by their own timeouts)."""
+        """Kill every helper process: idle and busy ones now (a busy one's verification fails), one still
+        starting (`start_helpers`) once it is up. A later `verify` starts new ones."""
+        slots = []
+        while True:
+            try:
+                slots.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
         with self._lock:
             helpers = list(self._all)
             self._all.clear()
+        for slot in slots:
+            if isinstance(slot, Future) and not slot.cancel():  # being started: kill it when it is up
+                slot.add_done_callback(self._kill_started)
+            self._idle.put(None)
         for helper in helpers:
             helper.kill()
+
+    def _kill_started(self, future: Future) -> None:
+        if future.exception() is None:
+            self._discard(future.result())
 
 
 _default: MathVerifier | None = None

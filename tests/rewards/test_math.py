@@ -168,6 +168,37 @@ def test_helper_outlives_the_thread_that_started_it():
         verifier.close()
 
 
+def test_a_helper_that_died_idle_is_replaced_not_reported_as_a_timeout():
+    verifier = MathVerifier(max_helpers=1)
+    try:
+        assert verifier.verify("2", "\\boxed{\\sqrt{4}}").correct
+        (helper,) = verifier._all
+        helper.process.kill()
+        helper.process.wait()
+        verdict = verifier.verify("2", "\\boxed{\\sqrt{4}}")
+        assert verdict.correct and not verdict.timed_out  # was: a killed helper's "timed out", reward 0
+        assert verifier._all and helper not in verifier._all
+    finally:
+        verifier.close()
+
+
+def test_close_ends_helpers_still_starting_and_the_verifier_stays_usable():
+    verifier = MathVerifier(max_helpers=2)
+    verifier.start_helpers()
+    starting = [slot for slot in list(verifier._idle.queue)]
+    verifier.close()  # while they import math-verify (~1 s)
+    started = [slot.result() for slot in starting if not slot.cancelled()]
+    deadline = time.monotonic() + 10
+    while any(h.process.poll() is None for h in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(h.process.poll() is not None for h in started)  # none left running until exit
+    assert not verifier._all
+    try:
+        assert verifier.verify("2", "\\boxed{\\sqrt{4}}").correct  # a new helper
+    finally:
+        verifier.close()
+
+
 def test_start_helpers_starts_them_in_the_background_and_verify_uses_them(monkeypatch):
     """`start_helpers` returns at once; the helpers it started serve the first verifications (none is started
     in `verify`), and calling it again starts none."""
