@@ -100,7 +100,7 @@ def _prestart_for_train(args: argparse.Namespace) -> None:
 
 
 def _prestart_for_eval(args: argparse.Namespace) -> None:
-    _prestart_ray(args.config, [f"model.path={args.model}", *args.overrides])
+    _prestart_ray(args.config, _eval_overrides(args))
 
 
 def _keep_worker_traceback(err: BaseException, run_dir) -> None:
@@ -117,16 +117,20 @@ def _keep_worker_traceback(err: BaseException, run_dir) -> None:
     err.args = (f"{err} (worker traceback: {path})",)
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from rollflow.config import load_config
-
+def _eval_overrides(args: argparse.Namespace) -> list[str]:
+    """`rollflow eval`'s flags as config overrides, then the user's own (last: `data.eval.limit=100` wins)."""
     overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}"]
     if args.config is None:  # every row, as the quickstart's eval (the schema's default eval set stops at 200)
         overrides.append("data.eval.limit=null")
     if args.data:  # replaces the config's eval set, `task` or `path`
         overrides.append(f"data.eval.path={args.data}")
-    overrides += args.overrides  # last: `data.eval.limit=100` wins
-    config = load_config(args.config, overrides)
+    return [*overrides, *args.overrides]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rollflow.config import load_config
+
+    config = load_config(args.config, _eval_overrides(args))
     from rollflow.pipelines.evaluate import run_eval
 
     metrics = run_eval(config)
