@@ -175,17 +175,21 @@ class MathVerifier:
         """Start the helpers not started yet, in the background, and return at once: the first verifications
         then find them up instead of waiting ~1 s each for one to import math-verify (a run calls this while
         its workers start). A helper that fails to start is started again on first use."""
-        slots = []
-        while True:
-            try:
-                slots.append(self._idle.get_nowait())
-            except queue.Empty:
-                break
+        slots = self._take_idle_slots()
         for slot in slots:
             if slot is None:
                 slot = _spawn_helper()
                 slot.add_done_callback(self._track)
             self._idle.put(slot)
+
+    def _take_idle_slots(self) -> list[_Helper | Future | None]:
+        """Every slot not in use now, taken out of the idle queue (the caller puts each back)."""
+        slots = []
+        while True:
+            try:
+                slots.append(self._idle.get_nowait())
+            except queue.Empty:
+                return slots
 
     def _track(self, future: Future) -> None:
         if future.exception() is None:
@@ -232,12 +236,7 @@ class MathVerifier:
     def close(self) -> None:
         """Kill every helper process: idle and busy ones now (a busy one's verification fails), one still
         starting (`start_helpers`) once it is up. A later `verify` starts new ones."""
-        slots = []
-        while True:
-            try:
-                slots.append(self._idle.get_nowait())
-            except queue.Empty:
-                break
+        slots = self._take_idle_slots()
         with self._lock:
             helpers = list(self._all)
             self._all.clear()
