@@ -88,8 +88,8 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
     model = settings["model.path"]
     prestart_ray(num_cpus, warm_up=warm.SETUP_HOOK,
                  warm_up_env={warm.MODEL_VARIABLE: model} if isinstance(model, str) else {})
-    # The start's critical path is Ray's start, then the warm worker's imports (~4.5 s); this process's imports
-    # and input checks (~3 s) fit beside the latter, but beside the former they only slow it down (2 cores).
+    # The start's critical path is Ray's start, then the warm worker's imports (~5 s); this process's imports
+    # and input checks (~4 s) fit beside the latter, but beside the former they only slow it down (2 cores).
     print("starting Ray ...", flush=True)
     wait_for_prestarted_ray()
 

@@ -424,14 +424,13 @@ def _join_prestarted(num_cpus: int | None) -> tuple[Any, bool] | None:
 
     if _prestarted is None:
         return None
-    head, prestarted_cpus, reply = _prestarted
+    head, prestarted_cpus, _ = _prestarted
     if prestarted_cpus != num_cpus:
-        reply = None
-    elif reply is None:
-        reply = _head_address(head)
-    if reply is None:
         discard_prestarted_ray()
         return None
+    if not wait_for_prestarted_ray():  # it ended the head
+        return None
+    reply = _prestarted[2]
     _prestarted = None
     if reply.get("token_auth"):  # the head's mode (RAY_AUTH_MODE, if set, is the same in both processes)
         from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
