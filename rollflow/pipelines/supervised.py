@@ -154,8 +154,8 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         tracker.close()
     # drawn once the workers stopped: drawing adds nothing to the run's peak memory
     # DPO's `loss` is a surrogate with the right gradient (`objectives.PreferenceLoss`): plot the real one
-    plot_curves(config.run_dir, ("dpo/loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy")
-                if config.pipeline == "dpo" else ("loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy"))
+    plot_curves(config.run_dir, ("dpo/loss" if config.pipeline == "dpo" else "loss", "eval/loss", "eval/accuracy",
+                                 "eval/dpo/reward_accuracy"))
     return final
 
 

@@ -185,7 +185,7 @@ def test_a_helper_that_died_idle_is_replaced_not_reported_as_a_timeout():
 def test_close_ends_helpers_still_starting_and_the_verifier_stays_usable():
     verifier = MathVerifier(max_helpers=2)
     verifier.start_helpers()
-    starting = [slot for slot in list(verifier._idle.queue)]
+    starting = list(verifier._idle.queue)
     verifier.close()  # while they import math-verify (~1 s)
     started = [slot.result() for slot in starting if not slot.cancelled()]
     deadline = time.monotonic() + 10
