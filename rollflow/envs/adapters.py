@@ -1,4 +1,5 @@
-"""Envs from other packages: GEM (`gem:<id>`, returned as is) and gymnasium (`gym:<id>`, wrapped into text).
+"""Envs from other packages behind rollflow's text protocol: GEM (`gem:<id>`, see `GemTextEnv`) and
+gymnasium (`gym:<id>`, see `GymTextEnv`).
 
 Both packages are imported only when such an env is made.
 """
@@ -6,29 +7,87 @@ Both packages are imported only when such an env is made.
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
+import random
 import re
+from collections.abc import Callable
 from typing import Any
 
 from rollflow.envs.actions import parse_first_integer, parse_name
 from rollflow.envs.base import Env, StepResult
 from rollflow.errors import ConfigError
+from rollflow.registry import Registry
 
 _ANSI_HIGHLIGHT = re.compile(r"\x1b\[4[0-7]m(.*?)\x1b\[0m")  # a background colour marks the agent's cell
 _ANSI_CODE = re.compile(r"\x1b\[[0-9;]*m")
 
+# --- GEM -------------------------------------------------------------------------------------------------
 
-def make_gem_env(gem_id: str, **kwargs: Any) -> Env:
-    """A GEM environment, unchanged (GEM envs already follow the protocol).
+# (the episode's observations so far, the actions between them, this step's info) -> what the model reads.
+GemObservation = Callable[[list[str], list[str], dict[str, Any]], str]
+GEM_OBSERVATIONS: Registry[GemObservation] = Registry("GEM observation mode")
+
+# GEM's dense rewards add up to 1 only up to rounding: a solved Crosswords returns 0.9999999999999999.
+SUCCESS_TOLERANCE = 1e-6
+_ADAPTER_KWARGS = ("observation", "success_threshold")
+
+
+@GEM_OBSERVATIONS.register("last")
+def last_observation(observations: list[str], actions: list[str], info: dict[str, Any]) -> str:
+    """`info["prefix"]`, this step's observation, `info["suffix"]` (where GEM's games put the board): the
+    newest event and the current state, for `rollout.samples: trajectory`, whose context holds the earlier
+    turns already."""
+    return _framed(info, _line(observations[-1]))
+
+
+@GEM_OBSERVATIONS.register("concat")
+def concat_observations(observations: list[str], actions: list[str], info: dict[str, Any]) -> str:
+    """GEM's `concat` wrapper (its choice for games): the prefix, every observation of the episode so far
+    (the instructions first), the suffix. Each turn reads alone, as in `rollout.samples: step`."""
+    return _framed(info, "".join(_line(text) for text in observations))
+
+
+@GEM_OBSERVATIONS.register("concat_with_action")
+def concat_observations_and_actions(observations: list[str], actions: list[str], info: dict[str, Any]) -> str:
+    """GEM's `concat_with_action` wrapper: as `concat`, with each action after the observation it answered."""
+    history = "".join(_line(text) for pair in zip(observations, actions) for text in pair)
+    return _framed(info, history + _line(observations[-1]))
+
+
+@GEM_OBSERVATIONS.register("raw")
+def raw_observation(observations: list[str], actions: list[str], info: dict[str, Any]) -> str:
+    """The env's observation alone (GEM without a wrapper): a game's board, in the suffix, is not shown."""
+    return observations[-1]
+
+
+def _line(text: str) -> str:
+    """The text ending in a newline (GEM's `maybe_add_new_line`)."""
+    return text + "\n" if text and not text.endswith("\n") else text
+
+
+def _framed(info: dict[str, Any], body: str) -> str:
+    return info.get("prefix", "") + body + info.get("suffix", "")
+
+
+def make_gem_env(gem_id: str, observation: str = "last", success_threshold: float = 1.0, **kwargs: Any) -> GemTextEnv:
+    """A GEM environment behind rollflow's protocol (see `GemTextEnv`).
 
     Args:
         gem_id: a GEM id, e.g. "game:GuessTheNumber-v0-easy".
-        **kwargs: passed to `gem.make`.
+        observation: how the model's observation is built, a name in `GEM_OBSERVATIONS` ("last", "concat",
+            "concat_with_action", "raw").
+        success_threshold: an episode that ends with a return (the sum of its rewards) at least this is a
+            success.
+        **kwargs: passed to `gem.make` (the env's constructor).
 
     Returns:
-        The env.
+        The wrapped env.
 
     Raises:
-        ConfigError: gem-llm is not installed, or the id is unknown (the message names close ids).
+        ConfigError: gem-llm is not installed, the id is unknown (the message names close ids), the observation
+            mode is unknown (the message lists the valid ones), the env's module does not import, or the env
+            does not take a keyword argument.
     """
     try:
         import gem
@@ -37,10 +96,154 @@ def make_gem_env(gem_id: str, **kwargs: Any) -> Env:
         raise ConfigError(f"env 'gem:{gem_id}': the gem-llm package is not installed (pip install gem-llm)") from None
     if gem_id not in ENV_REGISTRY:
         raise ConfigError(f"env 'gem:{gem_id}': unknown GEM id.{_close_ids(gem_id, ENV_REGISTRY)}")
-    env = gem.make(gem_id, **kwargs)
+    if observation not in GEM_OBSERVATIONS:
+        chat = " (GEM's chat modes apply a tokenizer's chat template; rollflow applies it itself)" \
+            if observation.startswith("concat_chat") else ""
+        raise ConfigError(f"env 'gem:{gem_id}': {GEM_OBSERVATIONS.unknown_message(observation)}{chat}")
+    _check_gem_kwargs(gem_id, ENV_REGISTRY[gem_id].entry_point, kwargs)
+    try:
+        env = gem.make(gem_id, **kwargs)
+    except TypeError as err:  # a keyword argument of the wrong type
+        raise ConfigError(f"env 'gem:{gem_id}': {_first_line(err)}") from None
     if not isinstance(env, Env):
         raise ConfigError(f"env 'gem:{gem_id}': {type(env).__name__} lacks reset(seed) / step(action)")
-    return env
+    return GemTextEnv(env, GEM_OBSERVATIONS.get(observation), success_threshold, f"gem:{gem_id}")
+
+
+def _check_gem_kwargs(gem_id: str, entry_point: Any, kwargs: dict[str, Any]) -> None:
+    """Fail on a keyword argument the env does not take: GEM's envs end their signature with `**_`, which
+    drops an unknown (say, misspelt) name silently. An env that reads `**kwargs` itself is not checked."""
+    if isinstance(entry_point, str):
+        module_name, _, attribute = entry_point.partition(":")
+        try:
+            entry_point = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"env 'gem:{gem_id}': cannot import {module_name}:{attribute} "
+                              f"({_first_line(err)})") from None
+    try:
+        parameters = list(inspect.signature(entry_point).parameters.values())
+    except (TypeError, ValueError):  # no signature to check against
+        return
+    if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in parameters):
+        return
+    taken = sorted(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    unknown = [name for name in kwargs if name not in taken]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], [*taken, *_ADAPTER_KWARGS], n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"env 'gem:{gem_id}' has no keyword argument {unknown[0]!r}.{hint} It takes: "
+                          f"{', '.join(taken)}; the adapter: {', '.join(_ADAPTER_KWARGS)}")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+class GemTextEnv:
+    """A GEM env behind rollflow's protocol.
+
+    Observation: `observation_mode` of the episode's observations, actions and the step's `info["prefix"]`
+    and `info["suffix"]`; GEM's games return the board there, not in the observation.
+
+    `info["success"]`: the episode ended (terminated or truncated) with a return of at least
+    `success_threshold`. GEM's games pay a solved game a total of 1 (`LanguageGameReward.success_reward`), at
+    the last step (GuessTheNumber, TowerofHanoi, Sokoban, FifteenPuzzle) or spread over the steps as progress
+    (Sudoku, Minesweeper, Mastermind, Wordle, Hangman, Game2048, Crosswords, WordSearch: the last step's
+    reward can be 1/9), and less otherwise: partial credit when the turns run out, -0.1 for a format error.
+    GEM's one-turn envs (math, code, qa, reasoning gym) pay 1 for a correct answer. An `info["success"]` the
+    env sets itself is kept.
+
+    `info["invalid_action"]`: the step's reward is GEM's format-error reward
+    (`LanguageGameReward.format_error_reward`, -0.1), which GEM's games and code envs give, ending the
+    episode, exactly when they cannot parse the action. A parsed but illegal move (a full tower, a guess
+    out of range) is rewarded like a legal one (0): GEM gives no signal to flag it by.
+
+    Args:
+        env: the GEM env.
+        observation_mode: (observations, actions, info) -> the model's observation (`GEM_OBSERVATIONS`).
+        success_threshold: the return at or above which an ended episode is a success.
+        name: the env's id, for error messages.
+    """
+
+    def __init__(self, env: Any, observation_mode: GemObservation, success_threshold: float, name: str):
+        from gem.utils.constants import LanguageGameReward
+
+        self.env = env
+        self.observation_mode = observation_mode
+        self.success_threshold = success_threshold
+        self.name = name
+        self.format_error_reward = LanguageGameReward.format_error_reward
+        self.observations: list[str] = []
+        self.actions: list[str] = []
+        self.episode_return = 0.0
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        """Reset the wrapped env.
+
+        Args:
+            seed: passed to the wrapped env's `reset(seed=...)`.
+
+        Returns:
+            (observation, info).
+        """
+        observation, info = self.env.reset(seed=seed)
+        self.observations, self.actions, self.episode_return = [observation], [], 0.0
+        return self.observation_mode(self.observations, self.actions, info), info
+
+    def step(self, action: str) -> StepResult:
+        """Step the wrapped env; add `success` and `invalid_action` to its info.
+
+        Args:
+            action: what the model wrote.
+
+        Returns:
+            (observation, reward, terminated, truncated, info).
+        """
+        observation, reward, terminated, truncated, info = self.env.step(action)
+        reward, terminated, truncated = float(reward), bool(terminated), bool(truncated)
+        self.observations.append(observation)
+        self.actions.append(info.get("parsed_action", action))  # what GEM's wrappers show of an action
+        self.episode_return += reward
+        success = (terminated or truncated) and self.episode_return >= self.success_threshold - SUCCESS_TOLERANCE
+        info = {"success": success, "invalid_action": reward == self.format_error_reward, **info}
+        return self.observation_mode(self.observations, self.actions, info), reward, terminated, truncated, info
+
+    def random_action(self, rng: random.Random) -> str:
+        """GEM's random action (`sample_random_action`), drawn from `rng`.
+
+        GEM draws from the global `random` module, which its `reset(seed)` seeds and its games' dynamics draw
+        from too; so the global state is seeded from `rng` for the draw and put back after: the action is
+        reproducible from `rng`, and the game's own draws are unchanged (not thread-safe: for `rollflow env
+        play` and tests).
+
+        Args:
+            rng: the random source.
+
+        Returns:
+            The action text.
+
+        Raises:
+            ConfigError: the env has no random action (GEM's TowerofHanoi).
+        """
+        state = random.getstate()
+        random.seed(rng.getrandbits(64))
+        try:
+            return self.env.sample_random_action()
+        except NotImplementedError:
+            raise ConfigError(f"env '{self.name}' has no random action (GEM's sample_random_action is not "
+                              "implemented)") from None
+        finally:
+            random.setstate(state)
+
+    def close(self) -> None:
+        """Close the wrapped env, if it can be closed (GEM's base env has no `close`)."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
+
+
+# --- gymnasium -------------------------------------------------------------------------------------------
 
 
 def make_gym_env(

@@ -24,7 +24,7 @@ def random_policy(env: Any, rng: random.Random) -> Policy:
     """A policy writing the env's uniformly random actions.
 
     Args:
-        env: a built-in env (it has `random_action`).
+        env: an env with `random_action(rng)`: a built-in, or a GEM env (`gem:<id>`, GEM's random action).
         rng: the random source of the actions.
 
     Returns:
@@ -54,7 +54,8 @@ def human_policy(prompt: str = "> ") -> Policy:
 
 def _require(env: Any, method: str) -> None:
     if not callable(getattr(env, method, None)):
-        raise ConfigError(f"{type(env).__name__} has no {method}(); only the built-in envs have scripted policies")
+        raise ConfigError(f"{type(env).__name__} has no {method}(); the built-in envs have scripted policies, "
+                          "GEM envs a random one")
 
 
 def run_episode(
@@ -145,6 +146,9 @@ def play_main(args: argparse.Namespace) -> int:
     except EOFError:
         print("\nend of input")
         return 0
+    except RollflowError as err:  # found at the first action: a GEM env without a random action
+        print(f"rollflow: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
     print(f"return: {result['return']:g}  steps: {result['steps']}  success: {result['success']}  "
           f"invalid actions: {result['invalid']}")
     return 0

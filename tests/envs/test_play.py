@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rollflow.envs.frozenlake import FrozenLake
-from rollflow.envs.play import add_play_parser, expert_policy, play_main, random_policy, run_episode
+from rollflow.envs.play import add_play_parser, expert_policy, main, play_main, random_policy, run_episode
 from rollflow.errors import ConfigError
 
 
@@ -55,6 +55,25 @@ def test_play_random_with_env_kwargs(capsys):
     assert play_main(_args(*argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith("guess 1-5\n") and out.count("action: ") <= 2
+
+
+def test_play_random_gem_game_is_reproducible_from_the_seed(capsys):
+    pytest.importorskip("gem")
+
+    def play(seed: str) -> str:
+        assert main(["gem:game:Minesweeper-v0-easy", "--policy", "random", "--seed", seed, "--max-steps", "6"]) == 0
+        return capsys.readouterr().out
+
+    out = play("5")
+    assert "action: \\boxed{" in out and "Here is the current board layout:" in out  # GEM's action; the board
+    assert play("5") == out and play("6") != out
+
+
+def test_play_random_gem_game_without_a_random_action_is_a_user_error(capsys):
+    pytest.importorskip("gem")
+    assert play_main(_args("gem:game:TowerofHanoi-v0-easy", "--policy", "random")) == 2
+    err = capsys.readouterr().err
+    assert "has no random action" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_play_human_reads_stdin_and_ends_cleanly_at_eof(capsys, monkeypatch):
