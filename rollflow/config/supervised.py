@@ -53,6 +53,14 @@ class SupervisedDataConfig(Strict):
                     "(never truncated silently).")
     shuffle: bool = Field(
         default=True, description="Reshuffle the rows every epoch (seeded by `seed`); `false`: the file's order.")
+    drop_degenerate_rows: bool = Field(
+        default=False,
+        description="What to do with a degenerate row of `train` or `eval`: a DPO pair whose chosen and rejected "
+                    "encode to the same tokens (loss constant, gradient 0), or a row whose response (DPO: chosen "
+                    "or rejected; a chat: every assistant turn) is empty or whitespace that encodes to no token "
+                    "(it teaches the model to answer nothing). `false`: a data error naming the row; `true`: drop "
+                    "such rows, with one warning per dataset that counts them and names the first (a dataset "
+                    "left with no rows is still an error).")
 
     @model_validator(mode="after")
     def _has_training_rows(self) -> SupervisedDataConfig:

@@ -81,27 +81,18 @@ class ConversationEncoder:
     def encode(self, row: dict[str, Any], response: Any = None) -> Sample:
         """The sample of `row`, or of its prompt with `response` instead of its own (DPO's chosen / rejected).
 
+        Args:
+            row: a chat row or a prompt / response row.
+            response: the response to encode instead of the row's own; None: the row's own.
+
+        Returns:
+            The `Sample`: `prompt_ids` up to the first assistant token, `loss_mask` 1 on the assistant's tokens.
+
         Raises:
             DataError: a missing / malformed column, a template that does not extend its own prefixes, no
                 assistant token to train on, or more than `max_tokens` tokens.
         """
-        if response is None and self.messages_key in row:
-            messages = _messages(row[self.messages_key], self.messages_key)
-        else:
-            prompt = row.get(self.prompt_key)
-            column = self.response_key if response is None else "response"  # a DPO chosen / rejected is given
-            response = row.get(self.response_key) if response is None else response
-            if not isinstance(response, str):
-                raise DataError(f"no {self.messages_key!r} column and the response (column {column!r}) is "
-                                f"{'missing' if response is None else type(response).__name__}, not a string")
-            if isinstance(prompt, list):
-                messages = _messages(prompt, self.prompt_key) + [{"role": "assistant", "content": response}]
-            elif isinstance(prompt, str):
-                messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            else:
-                raise DataError(f"the prompt (column {self.prompt_key!r}) must be a string or chat turns, not "
-                                f"{type(prompt).__name__}")
-        ids, mask = self._tokens(messages)
+        ids, mask = self._tokens(self.conversation(row, response))
         if len(ids) > self.max_tokens:
             raise DataError(f"the conversation has {len(ids)} tokens, over data.max_tokens={self.max_tokens}")
         first = mask.index(1) if 1 in mask else len(mask)
@@ -111,6 +102,59 @@ class ConversationEncoder:
             raise DataError("the conversation starts with an assistant turn; it needs a prompt before it")
         return Sample(prompt_ids=ids[:first], response_ids=ids[first:], loss_mask=mask[first:],
                       prompt_text=self.tokenizer.decode(ids[:first]), row=dict(row))
+
+    def has_blank_response(self, row: dict[str, Any], response: Any = None) -> bool:
+        """Whether the row trains on nothing but the end-of-turn tokens: its response (a chat row: every
+        assistant turn) is empty, or whitespace that the chat template or the tokenizer turns into no token
+        (the trained tokens are those of an empty response). Whitespace that does become tokens is a response.
+
+        Args:
+            row: a row `encode` accepts.
+            response: as for `encode`.
+
+        Returns:
+            True when the response adds no trained token.
+        """
+        messages = self.conversation(row, response)
+        if response is None and self.messages_key in row:  # a chat: every assistant turn
+            answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        else:  # the response is the last turn (earlier assistant turns of a prompt are context)
+            answers = [len(messages) - 1]
+        contents = [messages[i]["content"] for i in answers]
+        if any(content.strip() for content in contents):
+            return False
+        if not any(contents):
+            return True
+        blanked = [{**message, "content": ""} if i in answers else message for i, message in enumerate(messages)]
+        return _trained(*self._tokens(messages)) == _trained(*self._tokens(blanked))
+
+    def conversation(self, row: dict[str, Any], response: Any = None) -> list[dict[str, str]]:
+        """The row's turns as `{role, content}`: its chat, or its prompt (a string or turns) then the response.
+
+        Args:
+            row: a chat row or a prompt / response row.
+            response: the response to use instead of the row's own (DPO's chosen / rejected); None: the row's.
+
+        Returns:
+            The turns, the response (if not a chat row) last.
+
+        Raises:
+            DataError: a missing or malformed column.
+        """
+        if response is None and self.messages_key in row:
+            return _messages(row[self.messages_key], self.messages_key)
+        prompt = row.get(self.prompt_key)
+        column = self.response_key if response is None else "response"  # a DPO chosen / rejected is given
+        response = row.get(self.response_key) if response is None else response
+        if not isinstance(response, str):
+            raise DataError(f"no {self.messages_key!r} column and the response (column {column!r}) is "
+                            f"{'missing' if response is None else type(response).__name__}, not a string")
+        if isinstance(prompt, list):
+            return _messages(prompt, self.prompt_key) + [{"role": "assistant", "content": response}]
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        raise DataError(f"the prompt (column {self.prompt_key!r}) must be a string or chat turns, not "
+                        f"{type(prompt).__name__}")
 
     def _tokens(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         """Token ids of the whole conversation and a 0/1 mask, 1 on the assistant's tokens."""
@@ -156,6 +200,11 @@ def _messages(value: Any, column: str) -> list[dict[str, str]]:
             raise DataError(f"column {column!r}: each turn is {{role: system | user | assistant, content: "
                             f"string}}, got {turn!r:.80}")
     return [{"role": turn["role"], "content": turn["content"]} for turn in value]
+
+
+def _trained(ids: list[int], mask: list[int]) -> list[int]:
+    """The token ids a loss is taken on."""
+    return [token for token, value in zip(ids, mask, strict=True) if value]
 
 
 def _first_line(err: BaseException) -> str:

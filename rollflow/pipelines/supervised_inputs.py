@@ -4,8 +4,10 @@ encodes every row once: a bad row is one line naming its dataset and row, never 
 `check_supervised_inputs(config)` runs, in order: the model (and the reference or teacher) files; for a
 teacher, that its vocabulary is the student's; every train and eval row encoded by
 `rollflow.data.supervised.ConversationEncoder` (a DPO row twice: chosen and rejected) with characters the
-tokenizer cannot represent, rows over `data.max_tokens` and the model's context named; and for the greedy
-eval, the eval rows' prompts and the columns the rewards need.
+tokenizer cannot represent, rows over `data.max_tokens` and the model's context named; degenerate rows,
+which train on nothing or teach the model to answer nothing (a DPO pair whose chosen and rejected encode to the
+same tokens, an empty or blank response), refused or, with `data.drop_degenerate_rows`, dropped with one
+warning a dataset; and for the greedy eval, the eval rows' prompts and the columns the rewards need.
 """
 
 from __future__ import annotations
@@ -74,15 +76,19 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
                                   data.apply_chat_template, min(data.max_tokens, context or data.max_tokens))
     encoded: dict[str, list[Item]] = {"train": [], "eval": []}
     eval_rows: list[Row] = []
+    warnings: list[str] = []
+    dropped = 0
     for key, dataset in (("data.train", data.train), ("data.eval", data.eval)):
         if dataset is None:
             continue
-        source = dataset_source(key, dataset)
         rows = load_dataset(dataset, data.prompt_key, data.answer_key, required=())
-        encoded[key.removeprefix("data.")] = [encode_row(encoder, row, f"{source} row {number}", config)
-                                             for number, row in enumerate(rows, start=1)]
+        found = encode_dataset(encoder, rows, dataset_source(key, dataset), config)
+        encoded[key.removeprefix("data.")] = found.items
+        warnings += [found.warning] if found.warning else []
         if key == "data.eval":
-            eval_rows = rows
+            eval_rows = found.rows
+        else:
+            dropped = found.dropped
     eval_prompts: list[EncodedPrompt] = []
     if config.eval.greedy_accuracy:
         source = dataset_source("data.eval", data.eval)
@@ -92,15 +98,99 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
         eval_prompts = encode_prompts(prompts, prompt_rows, source, max_new_tokens=config.eval.max_new_tokens,
                                       context_length=context, max_new_tokens_key="eval.max_new_tokens")
     if len(encoded["train"]) < config.train.batch_size:
-        raise DataError(f"{dataset_source('data.train', data.train)} has {len(encoded['train'])} rows, fewer than "
-                        f"train.batch_size={config.train.batch_size}; lower the batch size or add rows")
+        left = f" left after dropping {dropped} degenerate rows" if dropped else ""
+        raise DataError(f"{dataset_source('data.train', data.train)} has {len(encoded['train'])} rows{left}, fewer "
+                        f"than train.batch_size={config.train.batch_size}; lower the batch size or add rows")
     return SupervisedInputs(tokenizer, encoded["train"], encoded["eval"], eval_prompts,
-                            resource_warnings(config, roles))
+                            warnings + resource_warnings(config, roles))
+
+
+class DegenerateRowError(DataError):
+    """A well-formed row that trains on nothing or teaches the model to answer nothing: a DPO pair whose
+    chosen and rejected encode to the same tokens (loss constant, gradient 0), an empty or blank response.
+    `data.drop_degenerate_rows` drops such rows instead of stopping.
+
+    Attributes:
+        reason: what is wrong, without the row's name, e.g. `chosen and rejected are the same text`.
+    """
+
+    def __init__(self, where: str, reason: str, consequence: str):
+        super().__init__(f"{where}: {reason}; {consequence}")
+        self.reason = reason
+
+
+@dataclass
+class EncodedDataset:
+    """One dataset's rows as `encode_dataset` keeps them.
+
+    Attributes:
+        items: the kept rows encoded, in the file's order.
+        rows: the kept rows themselves, in the same order.
+        dropped: how many degenerate rows were dropped (`data.drop_degenerate_rows`).
+        warning: the one line that says so; None when nothing was dropped.
+    """
+
+    items: list[Item]
+    rows: list[Row]
+    dropped: int
+    warning: str | None
+
+
+def encode_dataset(encoder: ConversationEncoder, rows: Sequence[Row], source: str, config) -> EncodedDataset:
+    """Every row of one dataset encoded (`encode_row`). A degenerate row stops the run, or with
+    `data.drop_degenerate_rows` is dropped: one warning counts the dropped rows and names the first.
+
+    Args:
+        encoder: the run's encoder.
+        rows: the dataset's rows.
+        source: how messages name the dataset, e.g. `data.train (rows.jsonl)`.
+        config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
+
+    Returns:
+        The kept rows, encoded and as read, and the warning.
+
+    Raises:
+        DataError: a bad row; a degenerate one unless `data.drop_degenerate_rows`; every row degenerate.
+    """
+    kept = EncodedDataset([], [], 0, None)
+    first = ""
+    for number, row in enumerate(rows, start=1):
+        try:
+            item = encode_row(encoder, row, f"{source} row {number}", config)
+        except DegenerateRowError as err:
+            if not config.data.drop_degenerate_rows:
+                raise
+            kept.dropped += 1
+            first = first or f"row {number}: {err.reason}"
+            continue
+        kept.items.append(item)
+        kept.rows.append(row)
+    if kept.dropped and not kept.items:
+        raise DataError(f"{source}: all {kept.dropped} rows are degenerate (first: {first}); "
+                        "data.drop_degenerate_rows would leave none")
+    if kept.dropped:
+        kept.warning = (f"{source}: dropped {kept.dropped} of {len(rows)} degenerate rows, as "
+                        f"data.drop_degenerate_rows says (first: {first})")
+    return kept
 
 
 def encode_row(encoder: ConversationEncoder, row: Row, where: str, config) -> Item:
-    """One row as the pipeline trains on it; `DataError` naming `where` for a bad row, or for characters the
-    tokenizer drops or cannot represent (`check_represented`, the check RLVR prompts get)."""
+    """One row as the pipeline trains on it.
+
+    Args:
+        encoder: the run's encoder.
+        row: the row as read.
+        where: the dataset and row, for messages, e.g. `data.train (rows.jsonl) row 3`.
+        config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
+
+    Returns:
+        A `Sample` (SFT, distillation) or a (chosen, rejected) pair of them (DPO).
+
+    Raises:
+        DataError: naming `where`: a bad row, characters the tokenizer drops or cannot represent
+            (`check_represented`, the check RLVR prompts get).
+        DegenerateRowError: a row that trains on nothing (`degenerate_reason`).
+    """
     data = config.data
     try:
         if config.pipeline == "dpo":
@@ -117,7 +207,64 @@ def encode_row(encoder: ConversationEncoder, row: Row, where: str, config) -> It
     for sample, response in zip(samples, responses, strict=True):
         check_represented(encoder.tokenizer, contents(row, data, response), sample.prompt_ids + sample.response_ids,
                           where, what="the row")
+    found = degenerate_reason(encoder, row, samples, responses, config)
+    if found is not None:
+        raise DegenerateRowError(where, *found)
     return tuple(samples) if config.pipeline == "dpo" else samples[0]
+
+
+def degenerate_reason(encoder: ConversationEncoder, row: Row, samples: Sequence[Sample],
+                      responses: Sequence[str | None], config) -> tuple[str, str] | None:
+    """Why an encoded row trains on nothing or teaches the model to answer nothing, if it does.
+
+    A response is blank when it adds no trained token to the end-of-turn tokens (`has_blank_response`): empty,
+    or whitespace the template or tokenizer drops (whitespace that becomes tokens is a response). A DPO pair
+    is degenerate when a response is blank, or when chosen and rejected are the same tokens: their log-ratios
+    are then equal, the loss constant and its gradient 0 (text that differs only where it tokenizes
+    differently, as in whitespace, is a real pair).
+
+    Args:
+        encoder: the encoder that encoded the row.
+        row: the row as read.
+        samples: its samples: one, or DPO's chosen and rejected.
+        responses: the responses they were encoded with: `[None]` (the row's own), or chosen and rejected.
+        config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
+
+    Returns:
+        None for a good row; else what is wrong and what follows from it (the two halves of the message).
+    """
+    data = config.data
+    if config.pipeline == "dpo":
+        pair = "a pair needs two non-empty responses"
+        for name, column, response in (("chosen", data.chosen_key, responses[0]),
+                                       ("rejected", data.rejected_key, responses[1])):
+            if encoder.has_blank_response(row, response):
+                return f"the {name} response (column {column!r}) is {_blank(response)}", pair
+        chosen, rejected = samples
+        if chosen.prompt_ids + chosen.response_ids == rejected.prompt_ids + rejected.response_ids \
+                and chosen.loss_mask == rejected.loss_mask:
+            same = ("are the same text" if responses[0] == responses[1] else
+                    f"encode to the same tokens ({_shown(responses[0])} and {_shown(responses[1])})")
+            return f"chosen and rejected {same}", "a pair must differ (DPO learns nothing from it)"
+        return None
+    if not encoder.has_blank_response(row):
+        return None
+    answer = "training on it teaches the model to answer nothing"
+    if data.messages_key in row:  # a chat (the encoder read it as one, so its turns are well formed)
+        contents = [turn["content"] for turn in row[data.messages_key] if turn["role"] == "assistant"]
+        blank = "empty" if not any(contents) else "empty or only whitespace, which encodes to no token"
+        return f"every assistant turn (column {data.messages_key!r}) is {blank}", answer
+    return f"the response (column {data.response_key!r}) is {_blank(row[data.response_key])}", answer
+
+
+def _blank(response: str) -> str:
+    """How a blank response reads in a message."""
+    return "empty" if not response else f"only whitespace ({_shown(response)}), which encodes to no token"
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` quoted for a message, cut to `limit` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def contents(row: Row, data, response: str | None = None) -> str:
