@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -69,5 +70,30 @@ def test_dotted_path_factory():
     assert env.reset(0)[0] == "PG"
     assert env.step("right")[1] == 1.0
     check_env_id("tests.envs.test_base:make_small_lake")
-    with pytest.raises(ConfigError, match="cannot import"):
+    with pytest.raises(ConfigError, match="module 'tests.envs.test_base' has no attribute 'no_such_factory'"):
         check_env_id("tests.envs.test_base:no_such_factory")
+
+
+@pytest.mark.parametrize(("module", "source", "reason"), [
+    ("syntax_env", "def make(:\n    pass\n", r"SyntaxError: invalid syntax \(.*syntax_env.py, line 1\)"),
+    ("raising_env", "raise RuntimeError('boom at import')\n", r"RuntimeError: boom at import"),
+    ("importing_env", "import no_such_package_here\n", r"ModuleNotFoundError: No module named 'no_such_package_here'"),
+])
+def test_a_user_env_module_that_fails_to_import_is_one_config_error(tmp_path, monkeypatch, module, source, reason):
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)  # a module in the working directory, named without a package: `module:factory`
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ConfigError, match=rf"^env '{module}:make': cannot import module '{module}' \({reason}"):
+        check_env_id(f"{module}:make")
+
+
+def test_a_module_without_a_dot_is_a_path_not_an_unknown_builtin(tmp_path, monkeypatch):
+    (tmp_path / "lake_env.py").write_text("from tests.envs.test_base import make_small_lake as make\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "lake_env", raising=False)
+    assert make_env("lake_env:make", max_turns=3).reset(0)[0] == "PG"
+    with pytest.raises(ConfigError, match="cannot import module 'missing_env' .*looked on sys.path and in the "
+                                          "working directory"):
+        check_env_id("missing_env:make")
+    with pytest.raises(ConfigError, match="is not of the form 'pkg.module:factory'"):
+        check_env_id(":make")
