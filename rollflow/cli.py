@@ -104,8 +104,8 @@ def _prestart_for_eval(args: argparse.Namespace) -> None:
 
 
 def _keep_worker_traceback(err: BaseException, run_dir) -> None:
-    """A worker's full traceback (`WorkerError.details`) goes to `run_dir/error.log`; the one-line message
-    says where."""
+    """A worker's full traceback (`WorkerError.details`), or every error of a failed step
+    (`StepFailedError.details`), goes to `run_dir/error.log`; the one-line message says where."""
     details = getattr(err, "details", "")
     if not details or not run_dir.is_dir():
         return
@@ -114,7 +114,7 @@ def _keep_worker_traceback(err: BaseException, run_dir) -> None:
         path.write_text(details)
     except OSError:
         return
-    err.args = (f"{err} (worker traceback: {path})",)
+    err.args = (f"{err} ({getattr(err, 'details_label', 'worker traceback')}: {path})",)
 
 
 def _eval_overrides(args: argparse.Namespace) -> list[str]:

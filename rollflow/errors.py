@@ -87,8 +87,16 @@ class WorkerError(RollflowError):
 
 
 class StepFailedError(RollflowError):
-    """Every sample of a step failed (a reward that raises, times out or returns no number for every row):
-    the run stops, naming the first sample's error, instead of training on nothing."""
+    """Every sample of a step failed (a reward that raises, times out or returns no number for every row;
+    an env that raises, hangs or returns what the protocol forbids in every episode): the run stops, naming
+    the first sample's error, instead of training on nothing. `details` holds every distinct error with its
+    count and the first traceback, for `error.log`."""
+
+    details_label = "every error"
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 class DiskFullError(RollflowError):

@@ -48,8 +48,10 @@ class EnvConfig(Strict):
                     "end it sooner).")
     step_timeout_s: float = Field(
         default=30.0, gt=0,
-        description="Time limit of one env reset or step; one that raises or runs longer fails its trajectory "
-                    "(counted in `rollout/trajectories/failed`), never the step.")
+        description="Time limit of one env reset or step; one that raises, runs longer or returns what the "
+                    "protocol forbids fails its trajectory (counted in `rollout/failed`, logged in "
+                    "`samples.jsonl`), and spares or new groups take its place; a step (or eval) in which every "
+                    "trajectory fails stops the run, naming the first error.")
     system_prompt: str | None = Field(
         default=None, description="A system message before the first observation; `null`: none.")
     fault_injection: FaultInjectionConfig | None = Field(

@@ -7,6 +7,7 @@ episode per held-out seed and reports `eval/success`.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from rollflow.cluster.colocation import ColocationManager
@@ -29,7 +30,12 @@ from rollflow.pipelines.run_directory import (
 )
 from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
-from rollflow.rollout.episodes import episode_samples
+from rollflow.rollout.episodes import (
+    EpisodeErrorWarnings,
+    episode_samples,
+    failed_samples,
+    no_episodes_error,
+)
 from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
@@ -91,7 +97,9 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                           config.seed)
         advantages = EpisodeAdvantages(config.algorithm, rollout.samples)
         first_step, initial_eval, version = 0, {}, 0
+        errors = EpisodeErrorWarnings()
         try:
+            check_envs(groups["env"], config)
             if prepared.resume_from:
                 state = read_driver_state(prepared.resume_from)
                 first_step, initial_eval = state["step"], state.get("initial_eval", {})
@@ -100,7 +108,7 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 version = sync_weights(groups, colocation, *sync_args)["sync/version"]
                 tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
             else:
-                initial_eval = evaluate(envs, colocation, eval_seeds, greedy)
+                initial_eval = evaluate(envs, colocation, eval_seeds, greedy, "eval at step 0", errors)
                 tracker.log(0, initial_eval)
                 tracker.print(f"initial eval success {initial_eval.get('eval/success', float('nan')):.3f}")
             metrics: dict[str, float] = {}
@@ -109,12 +117,18 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 colocation.enter("rollout")
                 with span("rollout"):
                     result = envs.next_batch(step, version)
+                if not result.groups:  # nothing to train on: say why, do not go on as if it were a step
+                    write_samples(config.run_dir / "samples.jsonl", step, readable(failed_samples(
+                        result.failed[:config.output.samples_logged_per_step]), tokenizer), len(result.failed))
+                    raise no_episodes_error(f"step {step}", result.failed,
+                                            sum(len(group.episodes) for group in result.dropped), rollout.group_size)
+                warn(errors.lines(f"step {step}", result.failed))
                 episodes = [e for group in result.groups for e in group.episodes]
                 metrics = {**result.metrics, **episode_metrics(episodes, "rollout")}
                 with stop.critical():
                     samples = episode_samples(episodes, {g.index: i for i, g in enumerate(result.groups)},
                                               rollout.samples)
-                    if samples:
+                    if samples:  # none only if every turn was empty
                         batch = collate(samples, tokenizer.pad_token_id)
                         with span("advantages"):
                             metrics.update(advantages(batch, samples, episodes))
@@ -124,12 +138,13 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                     metrics["train/samples"] = float(len(samples))
                     metrics.update(colocation.pop_metrics())
                     if step == config.train.steps or config.eval.every_steps and step % config.eval.every_steps == 0:
-                        metrics.update(evaluate(envs, colocation, eval_seeds, greedy))
+                        metrics.update(evaluate(envs, colocation, eval_seeds, greedy, f"eval at step {step}", errors))
                     metrics["time/step"] = time.perf_counter() - started
                     tracker.log(step, metrics)
-                    write_samples(config.run_dir / "samples.jsonl", step,
-                                  readable(samples[:config.output.samples_logged_per_step], tokenizer),
-                                  config.output.samples_logged_per_step)
+                    logged = readable(samples[:config.output.samples_logged_per_step]
+                                      + failed_samples(result.failed[:config.output.samples_logged_per_step]),
+                                      tokenizer)
+                    write_samples(config.run_dir / "samples.jsonl", step, logged, len(logged))
                     state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
                     if step == config.train.steps or config.output.save_every_steps and \
                             step % config.output.save_every_steps == 0:
@@ -188,14 +203,47 @@ def readable(samples: list, tokenizer) -> list:
     return samples
 
 
-def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int],
-             greedy: SamplingParams) -> dict[str, float]:
-    """One greedy episode per held-out seed: `eval/success`, `eval/return`, ..."""
+def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int], greedy: SamplingParams,
+             where: str, errors: EpisodeErrorWarnings) -> dict[str, float]:
+    """One greedy episode per held-out seed: `eval/success`, `eval/return`, ...
+
+    Raises:
+        StepFailedError: every eval episode failed (a success rate of 0 would mean nothing).
+    """
     if not seeds:
         return {}
     colocation.enter("rollout")
     with span("eval"):
         episodes = envs.evaluate(seeds, greedy)
-    failed = sum(episode.status == SampleStatus.FAILED for episode in episodes)
-    return {**episode_metrics(episodes, "eval"), "eval/episodes_failed": float(failed)}
+    failed = [episode for episode in episodes if episode.status == SampleStatus.FAILED]
+    if len(failed) == len(episodes):
+        raise no_episodes_error(where, failed, 0, 1)
+    warn(errors.lines(where, failed))
+    return {**episode_metrics(episodes, "eval"), "eval/episodes_failed": float(len(failed))}
+
+
+def check_envs(env_workers, config: AgenticConfig) -> None:
+    """Make and reset one env with `env.kwargs` (and one with `env.eval_kwargs`) on env worker 0 before anything
+    is played: an env that cannot be made (a constructor that refuses its kwargs) or reset stops the run here
+    with one line, instead of failing every episode.
+
+    Raises:
+        ConfigError: the env could not be made or reset (its traceback, when it raised, in `details`).
+    """
+    env = config.env
+    for setting, kwargs, eval_mode in (("env.kwargs", env.kwargs, False), ("env.eval_kwargs", env.eval_kwargs, True)):
+        if kwargs is None:
+            continue
+        reply = env_workers.get([env_workers.handles[0].check.remote(eval_mode)], "check", [0])[0]
+        if "error" in reply:
+            error = ConfigError(f"env {env.id!r} with {setting} {kwargs}: one env could not be made and reset "
+                                f"before the first step: {reply['error']}")
+            error.details, error.details_label = reply.get("traceback", ""), "env traceback"
+            raise error
+
+
+def warn(lines: list[str]) -> None:
+    """Print warning lines on stderr, as the other run-time warnings are."""
+    for line in lines:
+        print(f"rollflow: warning: {line}", file=sys.stderr, flush=True)
 

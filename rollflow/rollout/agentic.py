@@ -23,7 +23,7 @@ import itertools
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus
@@ -56,15 +56,30 @@ class EnvRolloutSettings:
 class EpisodeGroup:
     index: int
     seed: int
-    episodes: list[Episode]
+    episodes: list[Episode]  # the kept ones, in slot order
+    size: int = 0  # episodes it needs; fewer kept: the group is dropped
+    failed: list[Episode] = field(default_factory=list)  # episodes that failed (their `error` says why)
     aborted: int = 0  # spares still playing when the group filled
     oldest_version: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.episodes) >= self.size
 
 
 @dataclass
 class EnvRolloutResult:
+    """What one step trains on (`groups`, complete), and the groups dropped since the last step because too
+    many of their episodes failed (`dropped`), for the logs and the step's checks."""
+
     groups: list[EpisodeGroup]
     metrics: dict[str, float]
+    dropped: list[EpisodeGroup] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Episode]:
+        """Every episode that failed (its `error` says why): in dropped groups, and spares' places."""
+        return [episode for group in [*self.groups, *self.dropped] for episode in group.failed]
 
 
 class _Lockstep:
@@ -114,6 +129,7 @@ class EnvRollout:
         self.request_counter = itertools.count()
         self.slot_counter = itertools.count()
         self.ready: list[EpisodeGroup] = []
+        self.dropped: list[EpisodeGroup] = []  # groups dropped since the last step (too many failed)
         self.running: set[asyncio.Task] = set()
         self.started_groups = 0  # groups started by admission (refills come on top)
         self.steps_requested = 0
@@ -152,13 +168,8 @@ class EnvRollout:
         if not self.loop.is_running():
             return
 
-        async def cancel_all():
-            for task in list(self.running):
-                task.cancel()
-            await asyncio.gather(*self.running, return_exceptions=True)
-
         try:
-            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(_cancel_all(list(self.running)), self.loop).result(timeout=30)
         except Exception:  # noqa: BLE001  (closing: nothing left to report to)
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -188,6 +199,7 @@ class EnvRollout:
                     raise StalledError(f"no env group finished for {settings.watchdog_s:g} s in phase rollout "
                                        f"({len(self.running)} groups playing; cluster.watchdog_s)") from None
         groups, self.ready = self.ready[:settings.groups_per_step], self.ready[settings.groups_per_step:]
+        dropped, self.dropped = self.dropped, []
         if settings.max_staleness:
             self._admit()  # the next steps' groups play while this one trains
         elapsed = time.perf_counter() - started
@@ -198,7 +210,7 @@ class EnvRollout:
             "rollout/groups": float(len(groups)),
             "rollout/trajectories_per_second": len(episodes) / max(elapsed, 1e-9),
         })
-        return EnvRolloutResult(groups, metrics)
+        return EnvRolloutResult(groups, metrics, dropped)
 
     def _admit(self) -> None:
         """Start groups up to the admission bound: (steps asked for + K) x groups_per_step."""
@@ -227,9 +239,10 @@ class EnvRollout:
             self.error = self.error or task.exception()
             return
         group = task.result()
-        if group is not None:
+        if group.complete:
             self.ready.append(group)
             return
+        self.dropped.append(group)
         self.counts["groups_dropped"] += 1
         self._refill()
 
@@ -260,8 +273,9 @@ class EnvRollout:
 
     async def _play_group(self, index: int, seed: int, lockstep: _Lockstep | None,
                           sampling: SamplingParams | None = None, size: int | None = None,
-                          eval_mode: bool = False) -> EpisodeGroup | None:
-        """Play `size + redundancy` episodes of `seed`; the group of the first `size` that finish, or None."""
+                          eval_mode: bool = False) -> EpisodeGroup:
+        """Play `size + redundancy` episodes of `seed`; the group of the first `size` that finish (incomplete
+        when too many failed)."""
         settings = self.settings
         size = size or settings.group_size
         launched = size + (0 if eval_mode else settings.group_redundancy)
@@ -272,7 +286,7 @@ class EnvRollout:
             for task in tasks:
                 task.add_done_callback(lambda _: lockstep.leave())
         kept: list[Episode] = []
-        group = EpisodeGroup(index, seed, kept)
+        group = EpisodeGroup(index, seed, kept, size)
         try:
             pending = set(tasks)
             while pending and len(kept) < size:
@@ -281,7 +295,10 @@ class EnvRollout:
                     task.result()  # an engine error ends the run: it propagates
                     episode = tasks[task]
                     if episode.status == SampleStatus.FAILED or not episode.turns:
+                        if episode.status != SampleStatus.FAILED:
+                            episode.fail("the episode ended before the model's first turn")
                         self.counts["failed"] += 1
+                        group.failed.append(episode)
                     elif len(kept) < size:
                         kept.append(episode)
             for task in pending:  # the spares still playing
@@ -290,13 +307,11 @@ class EnvRollout:
             self.counts["aborted"] += len(pending)
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-        except asyncio.CancelledError:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled, or an episode's error ends the run: no episode is left playing
+            await _cancel_all(tasks)
             raise
-        if len(kept) < size:
-            return None
+        if not group.complete:
+            return group
         kept.sort(key=lambda e: e.slot)
         versions = [v for v in (e.oldest_version for e in kept) if v is not None]
         group.oldest_version = min(versions) if versions else None
@@ -314,9 +329,9 @@ class EnvRollout:
         self.engine_load[engine_index] += 1
         request_id = None
         try:
-            reply = await self._env_call(env_worker.reset.remote(slot, episode.seed, eval_mode), "reset")
+            reply = await self._env_call(env_worker.reset.remote(slot, episode.seed, eval_mode), env_index, "reset")
             if "error" in reply:
-                episode.fail(reply["error"])
+                episode.fail(reply["error"], reply.get("traceback", ""))
                 return
             observation, info = reply["observation"], reply["info"]
             episode.env_seconds += reply["seconds"]
@@ -329,6 +344,11 @@ class EnvRollout:
                     prompt = encoder.step_prompt(history[len(history) - settings.history_turns:]
                                                  if settings.history_turns else [], observation)
                 if len(prompt) + sampling.max_new_tokens > settings.max_context_tokens:
+                    if not episode.turns:
+                        episode.fail(f"the first prompt has {len(prompt)} tokens: with rollout.max_new_tokens = "
+                                     f"{sampling.max_new_tokens} that is over the context limit of "
+                                     f"{settings.max_context_tokens} tokens (rollout.max_context_tokens)")
+                        return
                     episode.status = SampleStatus.TRUNCATED
                     break
                 if lockstep is not None:
@@ -343,9 +363,9 @@ class EnvRollout:
                 turn = Turn(prompt, list(output.token_ids), list(output.logprobs), list(output.policy_versions),
                             text, str(info.get("anchor", observation)))
                 episode.add_turn(turn)
-                reply = await self._env_call(env_worker.step.remote(slot, text), "step")
+                reply = await self._env_call(env_worker.step.remote(slot, text), env_index, "step")
                 if "error" in reply:
-                    episode.fail(reply["error"])
+                    episode.fail(reply["error"], reply.get("traceback", ""))
                     return
                 episode.env_seconds += reply["seconds"]
                 turn.reward, info = reply["reward"], reply["info"]
@@ -371,17 +391,26 @@ class EnvRollout:
             self.engine_load[engine_index] -= 1
             env_worker.close_slot.remote(slot)
 
-    async def _env_call(self, ref, what: str) -> dict:
-        """An env worker's reply, or an error record when the worker died or did not answer in time."""
+    async def _env_call(self, ref, env_index: int, what: str) -> dict:
+        """An env worker's reply (an error record when the env failed: that fails one episode), or an error
+        record when the worker did not answer in time.
+
+        Raises:
+            WorkerDiedError: the env worker died (killed, out of memory): every later episode on it would
+                fail, so the run stops (the last checkpoint is intact).
+            WorkerError: the worker itself raised (a bug of the worker, not of the env).
+        """
         limit = self.settings.step_timeout_s + ENV_CALL_MARGIN_S
         try:
             return await asyncio.wait_for(_awaitable(ref), timeout=limit)
         except asyncio.TimeoutError:
-            return {"error": f"env worker did not answer {what} within {limit:g} s"}
+            return {"error": f"env worker {env_index} did not answer {what} within {limit:g} s"}
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001  (a dead env worker fails its episodes, not the run)
-            return {"error": f"env worker failed in {what}: {type(err).__name__}: {str(err).splitlines()[0]}"}
+        except Exception as err:
+            from rollflow.cluster.calls import map_ray_error
+
+            raise map_ray_error(err, "env", env_index, what) from None
 
     async def _generate(self, engine, engine_index: int, request: GenerationRequest):
         try:
@@ -398,12 +427,22 @@ class EnvRollout:
             raise map_ray_error(err, "actor_infer", engine_index, "generate") from None
 
     async def _evaluate(self, seeds: list[int], greedy: SamplingParams) -> list[Episode]:
-        tasks = [self._play_group(-1 - i, seed, None, greedy, 1, eval_mode=True) for i, seed in enumerate(seeds)]
-        groups = await asyncio.gather(*tasks)
-        episodes = []
-        for seed, group in zip(seeds, groups):
-            episodes.append(group.episodes[0] if group is not None else _failed(seed))
-        return episodes
+        tasks = [asyncio.ensure_future(self._play_group(-1 - i, seed, None, greedy, 1, eval_mode=True))
+                 for i, seed in enumerate(seeds)]
+        try:
+            groups = await asyncio.gather(*tasks)
+        except BaseException:
+            await _cancel_all(tasks)
+            raise
+        return [group.episodes[0] if group.complete else group.failed[0] for group in groups]
+
+
+async def _cancel_all(tasks) -> None:
+    """Cancel `tasks` and wait until each has ended (none is left to be destroyed pending, whose `finally`
+    would then call a worker after Ray has shut down)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _awaitable(ref):
@@ -411,12 +450,6 @@ def _awaitable(ref):
     async def wait():
         return await ref
     return wait()
-
-
-def _failed(seed: int) -> Episode:
-    episode = Episode(-1, 0, seed)
-    episode.fail("the eval episode failed")
-    return episode
 
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:

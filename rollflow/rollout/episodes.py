@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rollflow.data.sample import Sample, SampleStatus
+from rollflow.errors import StepFailedError
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Episode:
         turns: the model's turns.
         spans: per turn, [start, end) of its tokens in `response`.
         status: finished (the env ended it), truncated (turn or context limit), failed (env error), aborted.
-        info: the env's last info (success, ...); `error`: why it failed.
+        info: the env's last info (success, ...); `error`: why it failed (one line), `error_details`: the
+            env's traceback then, if it raised.
     """
 
     group: int
@@ -58,6 +60,7 @@ class Episode:
     status: SampleStatus = SampleStatus.FINISHED
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    error_details: str = ""
     env_seconds: float = 0.0
 
     def add_turn(self, turn: Turn) -> None:
@@ -75,8 +78,9 @@ class Episode:
         self.response_versions += [-1] * len(token_ids)
         self.loss_mask += [0] * len(token_ids)
 
-    def fail(self, error: str) -> None:
-        self.status, self.error = SampleStatus.FAILED, error
+    def fail(self, error: str, details: str = "") -> None:
+        """Mark the episode failed: `error` one line, `details` the env's traceback when there is one."""
+        self.status, self.error, self.error_details = SampleStatus.FAILED, error, details
 
     @property
     def episode_return(self) -> float:
@@ -159,3 +163,72 @@ def per_token(samples: list[Sample], step_values: dict[tuple[int, int], float], 
             values[row, start:end] = step_values[(episode, turn)]
             segments[row, start:end] = number
     return values, segments
+
+
+def failed_samples(episodes: list[Episode]) -> list[Sample]:
+    """Failed episodes as `Sample`s for `samples.jsonl` (never trained on): what was played of them, status
+    `failed` and `metadata["error"]`, why."""
+    return [Sample(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
+                   response_text=" | ".join(turn.text for turn in episode.turns), group_id=episode.group,
+                   reward=episode.episode_return, status=SampleStatus.FAILED,
+                   metadata={"seed": episode.seed, "turns": len(episode.turns), "error": episode.error})
+            for episode in episodes]
+
+
+def no_episodes_error(where: str, failed: list[Episode], finished: int, group_size: int) -> StepFailedError:
+    """The error of a step (or eval) that has nothing to train on (or score): every episode failed, or too
+    many did for any group to fill.
+
+    Args:
+        where: "step 3", "eval at step 0".
+        failed: the episodes that failed, the first first.
+        finished: episodes that did not fail but whose group was dropped.
+        group_size: episodes a group needs (`rollout.group_size`; 1 for eval).
+
+    Returns:
+        A `StepFailedError` whose message names the first error and whose `details` count every distinct
+        error and hold the first traceback.
+    """
+    if not failed:
+        return StepFailedError(f"{where}: no env group was played to the end (every group was dropped as stale "
+                               "or by the refill bound); nothing to train on")
+    first = failed[0].error or "no error recorded"
+    if finished == 0:
+        message = f"{where}: all {len(failed)} episodes failed; the first failed with: {first}"
+    else:
+        message = (f"{where}: no env group of {group_size} episodes finished: {len(failed)} of "
+                   f"{len(failed) + finished} episodes failed, the first with: {first}; raise "
+                   "rollout.group_redundancy (spares replace failed episodes) or fix the env")
+    return StepFailedError(message, details=error_summary(failed))
+
+
+def error_summary(failed: list[Episode]) -> str:
+    """Every distinct episode error with its count (most frequent first), then the first env traceback."""
+    counts: dict[str, int] = {}
+    for episode in failed:
+        counts[episode.error] = counts.get(episode.error, 0) + 1
+    lines = [f"{count} x {error}" for error, count in sorted(counts.items(), key=lambda item: -item[1])]
+    traceback = next((episode.error_details for episode in failed if episode.error_details), "")
+    return "\n".join(["episode errors:", *lines, *(["", "the first env traceback:", traceback] if traceback else [])])
+
+
+class EpisodeErrorWarnings:
+    """Warns on stderr of each new episode error of a run (`rollflow: warning: step 3: 2 episodes failed:
+    ...`), at most `limit` distinct ones; later ones are counted (`rollout/failed`) and written to
+    `samples.jsonl`, not printed."""
+
+    def __init__(self, limit: int = 3):
+        self.limit, self.seen = limit, set()
+
+    def lines(self, where: str, failed: list[Episode]) -> list[str]:
+        """The warning lines for the episodes that failed in `where` ("step 3", "eval at step 0")."""
+        lines = []
+        for episode in failed:
+            if episode.error in self.seen or len(self.seen) >= self.limit:
+                continue
+            self.seen.add(episode.error)
+            count = sum(other.error == episode.error for other in failed)
+            more = "; further new errors are counted in rollout/failed and logged in samples.jsonl, not printed" \
+                if len(self.seen) == self.limit else ""
+            lines.append(f"{where}: {count} of its episodes failed with: {episode.error}{more}")
+        return lines

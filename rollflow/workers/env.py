@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import numbers
 import queue
 import random
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -115,8 +117,9 @@ class EnvWorker(PlacedWorker):
         """Make a fresh env in `slot` and reset it with `seed`.
 
         Returns:
-            {"observation", "info", "seconds"}, or {"error": one line} when making or resetting it failed or
-            ran past the time limit (the slot is gone then).
+            {"observation", "info", "seconds"}, or {"error": one line} when making or resetting it failed,
+            ran past the time limit or returned something other than (observation text, info) (the slot is gone
+            then); an exception's record also has its "traceback".
         """
         self.close_slot(slot)
         config = self.env_config
@@ -125,7 +128,10 @@ class EnvWorker(PlacedWorker):
         self.created += 1
 
         def make_and_reset():
-            env = make_env(config.id, **kwargs)
+            try:
+                env = make_env(config.id, **kwargs)
+            except Exception as err:  # noqa: BLE001  (said as the constructor's error, not reset's)
+                raise _ConstructorFailed() from err
             hooks = []
             latency, faults = config.simulated_latency, config.fault_injection
             if latency is not None:
@@ -136,22 +142,27 @@ class EnvWorker(PlacedWorker):
                 hooks.append(injected_fault(faults.raise_fraction, faults.hang_fraction, faults.hang_s, rng))
             if hooks:
                 env = HookedEnv(env, hooks)
-            observation, info = env.reset(seed=seed)
-            return env, observation, info
+            return env, env.reset(seed=seed)
 
         outcome = await self._run(slot, thread, make_and_reset, "reset")
         if "error" in outcome:
             return outcome
-        env, observation, info = outcome["value"]
+        try:
+            env, (observation, info) = outcome["value"][0], _reset_result(outcome["value"][1])
+        except EnvResultError as err:
+            thread.submit(getattr(outcome["value"][0], "close", lambda: None))
+            thread.stop()
+            return {"error": str(err)}
         self.slots[slot] = (env, thread)
-        return {"observation": str(observation), "info": _plain(info), "seconds": outcome["seconds"]}
+        return {"observation": observation, "info": info, "seconds": outcome["seconds"]}
 
     async def step(self, slot: str, action: str) -> dict[str, Any]:
         """Step the env of `slot` with the model's text.
 
         Returns:
             {"observation", "reward", "terminated", "truncated", "info", "seconds"}, or {"error": one line}
-            (an exception, a time-out, a non-finite reward, an unknown slot); the slot is gone after an error.
+            (an exception, a time-out, an unknown slot, or a result that is not (observation text, finite
+            number, terminated, truncated, info)); the slot is gone after an error.
         """
         if slot not in self.slots:
             return {"error": f"env slot {slot!r} is not open (reset it first)"}
@@ -160,17 +171,23 @@ class EnvWorker(PlacedWorker):
         if "error" in outcome:
             return outcome
         try:
-            observation, reward, terminated, truncated, info = outcome["value"]
-            reward = float(reward)
-        except (TypeError, ValueError) as err:
+            reply = _step_result(outcome["value"])
+        except EnvResultError as err:
             self.close_slot(slot)
-            return {"error": f"env step returned {_short(outcome['value'])}, not (observation, reward, "
-                             f"terminated, truncated, info): {err}"}
-        if not math.isfinite(reward):
-            self.close_slot(slot)
-            return {"error": f"env step returned a non-finite reward {reward}"}
-        return {"observation": str(observation), "reward": reward, "terminated": bool(terminated),
-                "truncated": bool(truncated), "info": _plain(info), "seconds": outcome["seconds"]}
+            return {"error": str(err)}
+        return {**reply, "seconds": outcome["seconds"]}
+
+    async def check(self, eval_mode: bool = False) -> dict[str, Any]:
+        """Make one env (train or eval kwargs) and reset it with seed 0, then drop it: what the driver asks
+        before the first episode, so an env that cannot even be made (a constructor that refuses its kwargs)
+        or reset stops the run with one line instead of failing every episode.
+
+        Returns:
+            {} when the env was made and reset, else `reset`'s error record.
+        """
+        reply = await self.reset("check", 0, eval_mode)
+        self.close_slot("check")
+        return {key: value for key, value in reply.items() if key in ("error", "traceback")}
 
     def close_slot(self, slot: str) -> None:
         """Drop the env of `slot` (its `close()` runs on its thread, not awaited)."""
@@ -205,13 +222,61 @@ class EnvWorker(PlacedWorker):
         except Exception as err:  # noqa: BLE001  (the env's own error fails its trajectory, not the run)
             self.close_slot(slot)
             thread.stop()
+            if isinstance(err, _ConstructorFailed):
+                err, what = err.__cause__, "constructor"
             lines = str(err).strip().splitlines()
-            return {"error": f"env {what} raised {type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")}
+            return {"error": f"env {what} raised {type(err).__name__}: {lines[0] if lines else ''}".rstrip(": "),
+                    "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))}
         return {"value": value, "seconds": time.perf_counter() - started}
 
     def close(self) -> None:
         for slot in list(self.slots):
             self.close_slot(slot)
+
+
+class _ConstructorFailed(Exception):
+    """Wraps (as its cause) what an env's constructor raised, so the error names the constructor."""
+
+
+class EnvResultError(ValueError):
+    """An env's reset or step returned something the protocol does not allow (the message says what)."""
+
+
+def _reset_result(value: Any) -> tuple[str, dict[str, Any]]:
+    """(observation, info) from what `reset` returned, checked: the observation is text, never `str()` of an
+    object the model would then be trained on."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise EnvResultError(f"env reset returned {_short(value)}, not (observation, info)")
+    observation, info = value
+    return _observation(observation, "reset"), _plain(info)
+
+
+def _step_result(value: Any) -> dict[str, Any]:
+    """The reply of a step from what `step` returned, checked (see `EnvWorker.step`)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 5:
+        raise EnvResultError(f"env step returned {_short(value)}, not (observation, reward, terminated, "
+                             "truncated, info)")
+    observation, reward, terminated, truncated, info = value
+    # a number, not text that happens to parse as one: a reward of "1" is an env bug
+    if isinstance(reward, (str, bytes)) or not isinstance(reward, numbers.Real) and not hasattr(reward, "__float__"):
+        raise EnvResultError(f"env step returned a reward of type {type(reward).__name__} ({_short(reward)}), "
+                             "expected a number")
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError) as err:
+        raise EnvResultError(f"env step returned a reward that is not a number ({_short(reward)}: {err})") from None
+    if not math.isfinite(reward):
+        raise EnvResultError(f"env step returned a non-finite reward {reward}")
+    return {"observation": _observation(observation, "step"), "reward": reward, "terminated": bool(terminated),
+            "truncated": bool(truncated), "info": _plain(info)}
+
+
+def _observation(observation: Any, what: str) -> str:
+    if not isinstance(observation, str):
+        raise EnvResultError(f"env {what} returned an observation of type {type(observation).__name__} "
+                             f"({_short(observation)}), expected text (str): render it as the text the model "
+                             "should read")
+    return observation
 
 
 def _plain(info: Any) -> dict[str, Any]:
@@ -220,6 +285,8 @@ def _plain(info: Any) -> dict[str, Any]:
         return {}
     out = {}
     for key, value in info.items():
+        if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+            value = value.item()  # a numpy / torch scalar: its Python value (str() of np.False_ would be truthy)
         out[str(key)] = value if isinstance(value, (int, float, str, bool, type(None))) else _short(value)
     return out
 

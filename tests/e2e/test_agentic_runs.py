@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.config import load_config
+from rollflow.errors import ConfigError
 from rollflow.fresh_model import save_fresh_model
 from rollflow.pipelines.agentic import run_agentic
 
@@ -39,7 +40,7 @@ def _finite(rows: list[dict]) -> None:
         assert not bad, f"step {row['step']}: {bad}"
 
 
-def test_starpo_on_frozenlake_survives_raising_and_hanging_env_steps(ray_session, tmp_path):
+def test_starpo_on_frozenlake_survives_raising_and_hanging_env_steps(ray_session, tmp_path, capfd):
     final, rows = _run(
         tmp_path, "faults", "env.id=frozenlake", "env.kwargs={size: 3, max_turns: 4}", "env.max_turns=4",
         "rollout.samples=step", "rollout.groups_per_step=4", "rollout.group_size=2",
@@ -54,6 +55,23 @@ def test_starpo_on_frozenlake_survives_raising_and_hanging_env_steps(ray_session
     assert "advantage/zero_std_group_frac" in rows[1]
     assert "eval/success" in rows[0] and "eval/success" in rows[-1] and "initial_eval/success" in final
     assert rows[-1]["eval/episodes_failed"] == 0  # eval envs have no faults
+    # the failures are seen: a warning per new error on stderr, and the failed episodes in samples.jsonl
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("rollflow: warning: step")]
+    assert warnings and all("of its episodes failed with: env step " in line for line in warnings), warnings
+    logged = [json.loads(line) for line in (tmp_path / "faults" / "samples.jsonl").read_text().splitlines()]
+    errors = {record["error"] for record in logged if record["status"] == "failed"}
+    assert errors <= {"env step raised InjectedFault: injected fault: the env raised",
+                      "env step ran past env.step_timeout_s = 1 s"} and errors, logged
+
+
+def test_an_env_whose_constructor_refuses_its_kwargs_stops_before_the_first_episode(ray_session, tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        _run(tmp_path, "kwargs", "env.id=frozenlake", "env.kwargs={max_turns: 4}")
+    assert str(caught.value) == (
+        "env 'frozenlake' with env.kwargs {'max_turns': 4}: one env could not be made and reset before the first "
+        "step: env constructor raised ConfigError: frozenlake: a 4x4 map needs max_turns >= 6, got 4")
+    assert "Traceback" in caught.value.details
+    assert (tmp_path / "kwargs" / "metrics.jsonl").read_text() == ""  # not one step, not one eval
 
 
 def test_gigpo_with_turn_ratios_on_sokoban_trajectories_asynchronously(ray_session, tmp_path):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ray.exceptions import ActorDiedError
 from transformers import AutoTokenizer
 
 from rollflow.cluster.placement import WorkerPlacement
@@ -17,10 +18,11 @@ from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import collate
 from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
+from rollflow.errors import WorkerDiedError
 from rollflow.models import resolve_model_path
 from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
-from rollflow.rollout.episodes import episode_samples
+from rollflow.rollout.episodes import episode_samples, no_episodes_error
 from rollflow.workers.env import EnvWorker
 
 TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
@@ -174,6 +176,60 @@ def test_failing_and_hanging_envs_fail_their_episodes_and_never_the_step():
         assert len(result.groups) == 4
         assert all(e.status.value != "failed" for g in result.groups for e in g.episodes)
     assert elapsed < 30  # hangs cost their 0.5 s limit, not 60 s
+
+
+def test_when_every_episode_fails_the_step_has_no_groups_and_each_failure_says_why():
+    engine = ScriptedEngine("Right")
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3},
+                            "fault_injection": {"raise_fraction": 1.0}}, groups_per_step=2, group_size=2,
+                   refill_bound=1)
+    try:
+        result = envs.next_batch(1, 0)
+        evaluated = envs.evaluate([1_000_000], SamplingParams(6, temperature=0.0))
+    finally:
+        envs.close()
+    assert result.groups == [] and len(result.dropped) == 3  # two groups and the one refill the bound allows
+    assert len(result.failed) == 6 and result.metrics["rollout/failed"] == 6
+    assert {e.error for e in result.failed} == {"env step raised InjectedFault: injected fault: the env raised"}
+    assert all("Traceback" in e.error_details for e in result.failed)
+    error = no_episodes_error("step 1", result.failed, 0, 2)
+    assert str(error) == ("step 1: all 6 episodes failed; the first failed with: env step raised InjectedFault: "
+                          "injected fault: the env raised")
+    assert error.details.startswith("episode errors:\n6 x env step raised InjectedFault") and "Traceback" in error.details
+    assert evaluated[0].status.value != "failed"  # eval envs have no faults
+
+
+def test_an_eval_episode_that_fails_keeps_its_own_error():
+    engine = ScriptedEngine("Right")
+    envs = rollout(engine, {"id": "frozenlake", "eval_kwargs": {"size": 3, "max_turns": 1}})
+    try:
+        [episode] = envs.evaluate([1_000_000], SamplingParams(6, temperature=0.0))
+    finally:
+        envs.close()
+    assert episode.status.value == "failed"
+    assert episode.error == "env constructor raised ConfigError: frozenlake: a 3x3 map needs max_turns >= 4, got 1"
+
+
+class DeadEnvWorker:
+    """An env worker whose process is gone: every call fails as Ray says a dead actor's calls fail."""
+
+    def __getattr__(self, name):
+        async def dead(*args):
+            raise ActorDiedError()
+        return SimpleNamespace(remote=lambda *args: None if name == "close_slot" else dead(*args))
+
+
+def test_a_dead_env_worker_stops_the_rollout_with_one_line():
+    engine = ScriptedEngine("Right")
+    envs = EnvRollout([Remote(engine)], [DeadEnvWorker()], TurnEncoder(TOKENIZER),
+                      EnvRolloutSettings(groups_per_step=2, group_size=2), SamplingParams(6), seed=0)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WorkerDiedError, match=r"^env worker 0 died during reset \(killed, or out of memory\?\)"):
+            envs.next_batch(1, 0)
+        assert time.perf_counter() - started < 5
+    finally:
+        envs.close()
 
 
 def test_a_hung_env_step_returns_an_error_within_its_time_limit():
