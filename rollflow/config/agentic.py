@@ -94,7 +94,8 @@ class AgenticRolloutConfig(Strict):
         default=0, ge=0,
         description="Environment-level asynchrony across steps: envs keep playing while the trainer trains, "
                     "at most this many policy versions ahead; a group with a token older than that is dropped "
-                    "(`rollout/groups/stale`). 0: each step's groups are played from the current weights.")
+                    "(`rollout/groups_stale`). 0: each step's groups are played from the current weights; a bound above "
+                    "`train.steps` acts as `train.steps`.")
     lockstep: bool = Field(
         default=False,
         description="Play a step's envs in lockstep (every env's turn waits for all others': the synchronous "

@@ -50,7 +50,8 @@ class RolloutConfig(Strict):
         default=0, ge=0,
         description="Asynchronous training (ROLL Flash): the engines keep generating while the trainer trains, "
                     "at most this many policy versions ahead; a sample whose oldest token is older is dropped "
-                    "(`rollout/groups/stale`). 0: synchronous steps. Needs `actor_infer` on devices disjoint from "
+                    "(`rollout/groups/stale`). 0: synchronous steps; a bound above `train.steps` acts as `train.steps` (no "
+                    "sample can be older). Needs `actor_infer` on devices disjoint from "
                     "the trainer's (`device_mapping`), and turns on `algorithm.train_infer_correction` unless set.")
     partial_rollout: Literal["continue", "resubmit"] = Field(
         default="continue",

@@ -181,7 +181,7 @@ def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRol
         groups_per_step=rollout.groups_per_step, group_size=rollout.group_size,
         group_redundancy=rollout.group_redundancy, refill_bound=rollout.refill_bound, samples=rollout.samples,
         history_turns=rollout.history_turns, max_turns=config.env.max_turns, max_context_tokens=limit,
-        max_staleness=rollout.max_staleness, lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s,
+        max_staleness=min(rollout.max_staleness, config.train.steps), lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s,
         watchdog_s=config.cluster.watchdog_s, train_seed_bound=max(config.eval.seed_start, 1))
 
 

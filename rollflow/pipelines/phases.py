@@ -42,9 +42,10 @@ def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sam
     """The run's training batches: the stream of prompt groups over `scheduler`, per `rollout.*` (staleness,
     refills, over-provisioning, long rounds) and `algorithm.difficulty_mask`."""
     rollout = config.rollout
-    settings = StreamSettings(rollout.prompts_per_step, rollout.max_staleness, rollout.refill_bound,
-                              rollout.overprovision, rollout.long_round_every, config.algorithm.difficulty_mask,
-                              rollout.partial_rollout)
+    # no sample can be more versions old than the run has steps: a larger bound only draws prompts past the end
+    settings = StreamSettings(rollout.prompts_per_step, min(rollout.max_staleness, config.train.steps),
+                              rollout.refill_bound, rollout.overprovision, rollout.long_round_every,
+                              config.algorithm.difficulty_mask, rollout.partial_rollout)
     domains = config.data.domains or {}
 
     def params_for(prompt: EncodedPrompt, params: SamplingParams) -> SamplingParams:

@@ -78,6 +78,7 @@ class GroupState(str, enum.Enum):
 ENDED = (GroupState.CONSUMED, GroupState.FILTERED, GroupState.FAILED, GroupState.ABORTED, GroupState.STALE)
 # States a group is in while the stream still holds it; each step logs how many are in each.
 HELD = (GroupState.QUEUED, GroupState.GENERATING, GroupState.SCORING, GroupState.READY)
+STALENESS_FRACTIONS = 8  # staleness/frac_k is logged for k = 0 .. min(max_staleness, this); staleness/max says more
 
 
 class Sampler(Protocol):
@@ -361,7 +362,7 @@ class RolloutStream:
         if staleness:
             metrics["staleness/mean"] = statistics.fmean(staleness)
             metrics["staleness/max"] = float(max(staleness))
-            for k in range(self.settings.max_staleness + 1):
+            for k in range(min(self.settings.max_staleness, STALENESS_FRACTIONS) + 1):
                 metrics[f"staleness/frac_{k}"] = sum(s == k for s in staleness) / len(staleness)
         samples = samples + self._dropped
         self._ended.clear()
@@ -448,11 +449,14 @@ class RolloutStream:
         self._rewards_done.set()
 
     def _draw(self) -> None:
-        """Queue as many new prompts as the quota allows."""
-        if self._quota <= 0:
+        """Queue as many new prompts as the quota allows, at most one step's launch ahead of the engines: a
+        quota of many steps (asynchronous mode, a large `max_staleness`) is drawn as the queue empties, never
+        all at once (a million steps' prompts held in memory, and in every checkpoint)."""
+        count = min(self._quota, self.settings.launched_per_step - len(self._queue))
+        if count <= 0:
             return
-        prompts = self.sampler.take(self._quota)
-        self._quota = 0
+        prompts = self.sampler.take(count)
+        self._quota -= count
         for prompt in prompts:
             self._queue.append(self._new_group(prompt, self._next_index))
             self._next_index += 1

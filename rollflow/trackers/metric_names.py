@@ -161,7 +161,7 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("staleness/max", "versions", "The largest such staleness."),
             Metric("staleness/frac_<k>", FRACTION,
                    "Fraction of usable samples whose staleness is `<k>` versions, for k = 0 .. "
-                   "`rollout.max_staleness`."),
+                   "min(`rollout.max_staleness`, 8) (`staleness/max` covers the rest)."),
             Metric("train/usable_samples", COUNT,
                    "Samples trained on: not failed, aborted or filtered, with at least one response token."),
         ),
