@@ -178,6 +178,29 @@ def test_asynchronous_batches_never_exceed_the_staleness_bound(ray_session, max_
         ray.kill(worker)
 
 
+def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_fractions(ray_session):
+    """`max_staleness: 1000000` opens a quota of a million steps: drawn at once, it held 8 million prompts in
+    memory (and in every checkpoint) and logged a million `staleness/frac_k` scalars a step."""
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={k: 2 for k in range(100)},
+                                                        delays={k: 0.5 for k in range(100)})
+    settings = StreamSettings(prompts_per_step=4, max_staleness=1_000_000)
+    stream = _stream([worker], settings, _prompts(100))
+    try:
+        started = time.perf_counter()
+        result = stream.next_batch(step=1, policy_version=0)
+        state = stream.state()
+    finally:
+        stream.close()
+    assert time.perf_counter() - started < 10
+    # drawn: what the engine took (up to 64 requests in flight, ~0.5 s each) and one step's launch queued
+    # beyond it, not the quota's 4 million prompts
+    assert state["next_index"] <= 3 * (64 + settings.launched_per_step), state["next_index"]
+    assert len(state["pending"]) <= state["next_index"]
+    assert sorted(k for k in result.metrics if k.startswith("staleness/frac_")) == \
+        [f"staleness/frac_{k}" for k in range(9)]
+    ray.kill(worker)
+
+
 def test_resume_regenerates_what_was_in_flight_and_skips_nothing(ray_session):
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={k: 2 for k in range(100)}, jitter=0.05)
     settings = StreamSettings(prompts_per_step=4, max_staleness=1)
