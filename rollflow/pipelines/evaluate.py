@@ -17,6 +17,7 @@ from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.pipelines.phases import rollout_scheduler
 from rollflow.pipelines.preflight import check_inputs
+from rollflow.pipelines.run_directory import check_run_dir_writable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.reward import model_rewards
@@ -30,6 +31,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     data = config.data
     if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
         raise ConfigError("no eval dataset: set data.eval, or a domain's eval (or pass --data FILE.jsonl)")
+    check_run_dir_writable(config)  # where the samples go, before anything starts
     rewards = model_rewards(config.reward)
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
     inputs = check_inputs(config, roles, train=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,13 +50,15 @@ class PreparedRunDir(NamedTuple):
 
 def resume_point(config: RunConfigBase) -> tuple[Path | None, int | None]:
     """(the newest complete checkpoint, its step) a `resume: true` run continues from; (None, None) for a
-    fresh run. Reads only: a pipeline asks it first, so a resume with nothing to resume starts nothing.
+    fresh run. Changes nothing: a pipeline asks it first, before Ray and its workers start, so a resume with
+    nothing to resume, or a run directory that cannot be written (`check_run_dir_writable`), starts nothing.
 
     Raises:
-        ConfigError: `resume: true` without a complete checkpoint.
+        ConfigError: `resume: true` without a complete checkpoint; a run directory that cannot be written.
         RunFinished: `resume: true` with the newest checkpoint at or past `train.steps` (nothing to do).
     """
     if not config.resume:
+        check_run_dir_writable(config)
         return None, None
     run_dir = config.run_dir
     resume_from = latest_checkpoint(run_dir / "checkpoints")
@@ -66,7 +69,39 @@ def resume_point(config: RunConfigBase) -> tuple[Path | None, int | None]:
     if resumed_at >= config.train.steps:
         raise RunFinished(f"{run_dir} already finished at step {resumed_at} (train.steps="
                           f"{config.train.steps}); raise train.steps to continue")
+    check_run_dir_writable(config)
     return resume_from, resumed_at
+
+
+def check_run_dir_writable(config: RunConfigBase) -> None:
+    """That the run can create and write `config.run_dir` (`output.dir/name`): the nearest part of that path
+    that exists is a directory, and a file can be created in it (and is removed again). Trying is the only
+    test that holds for root, for whom `os.access` says yes to a read-only mount. A run directory that exists
+    is tested itself, and its parent too when a fresh run will move it aside (`prepare_run_dir`).
+
+    Raises:
+        ConfigError: one line naming the path and why (a file in the way, a read-only file system, no
+            permission).
+    """
+    run_dir = config.run_dir
+    where = run_dir
+    while not os.path.lexists(where) and where != where.parent:
+        where = where.parent
+    directories = [where]
+    if where == run_dir and not config.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+        directories.append(run_dir.parent)  # the earlier run is renamed to a sibling
+    for directory in directories:
+        if not directory.is_dir():
+            what = "a file, not a directory" if directory.is_file() else "not a directory"
+            raise ConfigError(f"output.dir: cannot create the run directory {run_dir}: {directory} is {what}; "
+                              "set output.dir to a directory")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".rollflow-write-test-", dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as err:
+            raise ConfigError(f"output.dir: cannot write the run directory {run_dir}: {directory} is not writable "
+                              f"({err.strerror or err}); set output.dir to a writable directory") from None
 
 
 def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
