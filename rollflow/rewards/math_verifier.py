@@ -192,7 +192,7 @@ class MathVerifier:
                 return slots
 
     def _track(self, future: Future) -> None:
-        if future.exception() is None:
+        if _started(future):
             with self._lock:
                 self._all.add(future.result())
 
@@ -211,7 +211,7 @@ class MathVerifier:
         helper = self._idle.get()
         try:
             if isinstance(helper, Future):  # started by `start_helpers`
-                helper = helper.result() if helper.exception() is None else None
+                helper = helper.result() if _started(helper) else None
             if helper is not None and helper.process.poll() is not None:  # died idle (killed, OOM, `close`)
                 self._discard(helper)
                 helper = None
@@ -248,8 +248,14 @@ class MathVerifier:
             helper.kill()
 
     def _kill_started(self, future: Future) -> None:
-        if future.exception() is None:
+        if _started(future):
             self._discard(future.result())
+
+
+def _started(future: Future) -> bool:
+    """Whether a done helper future holds a started helper: not cancelled (`close` cancels one that has not
+    begun starting, and runs its done callbacks, where `exception()` would raise `CancelledError`), not failed."""
+    return not future.cancelled() and future.exception() is None
 
 
 _default: MathVerifier | None = None
