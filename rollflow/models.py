@@ -6,6 +6,7 @@ model is the one that loads a real model.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -23,6 +24,7 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.ind
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt", "*.tiktoken")
 HUB_PROBE_TIMEOUT_S = 3.0
+SAFETENSORS_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library refuses a longer header
 
 
 def resolve_model_path(path: str) -> str:
@@ -49,7 +51,7 @@ def resolve_model_path(path: str) -> str:
 
 def check_model_files(path: str) -> str:
     """What the driver checks of a model before a run's first step: a local directory has weights and a
-    tokenizer; a hub id is in the local Hugging Face cache or the hub answers (transformers would otherwise
+    tokenizer, and each of its safetensors files is whole (`check_safetensors_file`); a hub id is in the local Hugging Face cache or the hub answers (transformers would otherwise
     retry for ~50 s, printing each retry, before failing).
 
     Args:
@@ -71,9 +73,45 @@ def check_model_files(path: str) -> str:
             raise ModelLoadError(f"model directory {directory} has no tokenizer (no tokenizer.json, "
                                  "tokenizer_config.json or vocabulary file); save it there with "
                                  "tokenizer.save_pretrained")
+        for weights in sorted(directory.glob("*.safetensors")):
+            check_safetensors_file(weights)
         return resolved
     _check_hub_model(resolved)
     return resolved
+
+
+def check_safetensors_file(path: Path) -> None:
+    """A safetensors file is whole: an 8-byte little-endian header length, a JSON header that fits in the file,
+    and every byte the header's tensors span (`data_offsets`, counted from the header's end). Reads the header
+    only, so a copy or download cut short is named here, on the driver, instead of failing in every worker.
+
+    Raises:
+        ModelLoadError: one line naming the file and what is wrong with it.
+    """
+    try:
+        size = path.stat().st_size
+        file = path.open("rb")
+    except OSError as err:
+        raise ModelLoadError(f"cannot read model file {path}: {err.strerror or err}") from None
+    with file:
+        prefix = file.read(8)
+        header_size = int.from_bytes(prefix, "little")
+        if len(prefix) < 8 or header_size > SAFETENSORS_MAX_HEADER_BYTES:
+            raise ModelLoadError(f"model file {path} is not a safetensors file ({size} bytes, no header); copy or "
+                                 "download it again")
+        if 8 + header_size > size:
+            raise ModelLoadError(f"model file {path} is cut short: it has {size} bytes, its header alone needs "
+                                 f"{8 + header_size}; copy or download it again")
+        try:
+            header = json.loads(file.read(header_size))
+            ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ModelLoadError(f"model file {path} is not a safetensors file (its header is not the JSON "
+                                 "table of tensors); copy or download it again") from None
+    expected = 8 + header_size + max(ends, default=0)
+    if size < expected:
+        raise ModelLoadError(f"model file {path} is cut short: it has {size} bytes, its header describes "
+                             f"{expected}; copy or download it again")
 
 
 def _has_any(directory: Path, patterns: tuple[str, ...]) -> bool:
@@ -188,8 +226,35 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
             resolved, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
         )
     except Exception as err:
-        raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(err)}") from None
+        reason = _first_line(err)
+        if "ignore_mismatched_sizes" in reason:  # the shapes are in a report transformers logged, not the error
+            reason = _mismatched_weight(resolved, trust_remote_code) or reason
+        raise ModelLoadError(f"cannot load model from {path!r}: {reason}") from None
     return model.eval()
+
+
+def _mismatched_weight(resolved: str, trust_remote_code: bool) -> str | None:
+    """The first weight of the checkpoint whose shape is not the one `config.json`'s model has, said in words;
+    None when none is found (or the comparison itself fails)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):  # shapes only: no memory
+            expected = {name: list(tensor.shape) for name, tensor in
+                        AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+                        .state_dict().items()}
+        for file in sorted(Path(resolved).glob("*.safetensors")):
+            with safe_open(str(file), "pt") as weights:
+                for name in weights.keys():
+                    shape = list(weights.get_slice(name).get_shape())
+                    if name in expected and expected[name] != shape:
+                        return (f"weight {name} has shape {shape} in {file.name}, but the model config.json "
+                                f"describes has {expected[name]}")
+    except Exception:  # noqa: BLE001  (only a better message was at stake)
+        return None
+    return None
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> list[int]:

@@ -87,14 +87,14 @@ def map_ray_error(err: BaseException, role: str, index: int, method: str) -> Rol
         # `ray.get` raises a subclass of both RayTaskError and the cause's class, whose text is the worker's
         # traceback under a header naming the process
         details = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # without Ray's terminal colours
-        return WorkerError(f"{role} worker {index} failed in {method}: {_one_line(cause)}", details=details)
+        return WorkerError(f"{role} worker {index} failed in {method}: {one_line(cause)}", details=details)
     if isinstance(err, DEATH_ERRORS):
         return WorkerDiedError(f"{role} worker {index} died during {method} (killed, or out of memory?); the "
                                "last checkpoint is intact", details=str(err))
     if isinstance(err, RollflowError):
         return err
     details = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    return WorkerError(f"{role} worker {index} failed in {method}: {_one_line(err)}", details=details)
+    return WorkerError(f"{role} worker {index} failed in {method}: {one_line(err)}", details=details)
 
 
 def stalled_error(timeout_s: float, role: str, indices: Sequence[int], method: str) -> StalledError:
@@ -105,7 +105,7 @@ def stalled_error(timeout_s: float, role: str, indices: Sequence[int], method: s
     return StalledError(f"no progress for {timeout_s:.0f} s: {workers} not returned from {method}")
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """`Type: first line of the message` (just the type for an empty message)."""
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

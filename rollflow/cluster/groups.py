@@ -13,9 +13,11 @@ CPUs, time-share the machine and pin their torch threads to their share.
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,7 +39,14 @@ SPANS_TIMEOUT_S = 10.0  # how long the end of a run waits for a worker's timelin
 
 
 class WorkerStartError(RollflowError):
-    """A worker's constructor failed (bad model path, missing API key, ...) or it never became ready."""
+    """A worker's constructor failed (bad model path, missing API key, ...) or it never became ready.
+
+    `details` holds the constructor's traceback when its error was not a RollflowError, for a file in the run
+    directory (the message is one line)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 class StartCancelled(Exception):
@@ -112,21 +121,28 @@ class WorkerGroup:
             cancelled: when set (checked every `CANCEL_POLL_S`), stop waiting and raise `StartCancelled`.
 
         Raises:
-            WorkerStartError: one line with the constructor's own error (not Ray's traceback), or a timeout.
+            WorkerStartError: one line with the constructor's own error (not Ray's traceback; the worker's
+                traceback of a non-rollflow error in `details`), or a timeout.
         """
-        pending = [handle.__ray_ready__.remote() for handle in self.handles]
+        pending = {handle.start_error.remote(): handle for handle in self.handles}  # answered once constructed
         deadline = time.monotonic() + timeout_s
         try:
             while pending:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise WorkerStartError(f"{self.role} workers did not start within {timeout_s:.0f} s")
-                ready, pending = ray.wait(pending, num_returns=1,
-                                          timeout=min(remaining, CANCEL_POLL_S) if cancelled else remaining)
-                ray.get(ready)
+                ready, _ = ray.wait(list(pending), num_returns=1,
+                                    timeout=min(remaining, CANCEL_POLL_S) if cancelled else remaining)
+                for ref in ready:
+                    handle = pending.pop(ref)
+                    failure = ray.get(ref)
+                    if failure is not None:
+                        ray.kill(handle)  # constructed only in part: of no use, and its close() might not cope
+                        message, details = failure
+                        raise WorkerStartError(f"{self.role}: a worker failed to start: {message}", details)
                 if cancelled is not None and cancelled.is_set():
                     raise StartCancelled
-        except ray.exceptions.RayError as error:
+        except ray.exceptions.RayError as error:  # the constructor ended its process (SystemExit, a crash)
             raise WorkerStartError(f"{self.role}: a worker failed to start: {root_cause(error)}") from None
 
     def gather_spans(self, timeout_s: float = SPANS_TIMEOUT_S) -> list[dict[str, Any]]:
@@ -166,10 +182,42 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
         timeout_s: the group's bound on waiting for a result (`cluster.watchdog_s`).
     """
     # once per group, not per worker; each call of a worker method is a span of the run's timeline
-    remote_class = ray.remote(traced(worker_cls, lambda placement, *_: f"{role} {placement.index}"))
+    remote_class = ray.remote(keeping_start_error(traced(worker_cls,
+                                                         lambda placement, *_: f"{role} {placement.index}")))
     handles = [remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
                for placement in placements]
     return WorkerGroup(role, handles, placements, timeout_s)
+
+
+def keeping_start_error(worker_cls: type) -> type:
+    """`worker_cls` whose constructor keeps the exception it raised instead of raising it, for the driver to ask
+    for (`start_error()`: None, or (`Type: first line`, the traceback for a non-rollflow error, else "")).
+
+    An exception out of an actor's constructor makes Ray print the worker's traceback on the driver's console
+    (it forwards the worker's stderr), ahead of the one line the driver prints. A constructor that returns
+    prints nothing; `WorkerGroup.wait_ready` kills the worker and raises its error as one line.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._start_error = None
+        try:
+            worker_cls.__init__(self, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 -- reported to the driver by `start_error`
+            if isinstance(err, RollflowError):  # its message already says what is wrong, in one line
+                self._start_error = (str(err).strip().splitlines()[0] if str(err).strip() else calls.one_line(err), "")
+            else:
+                self._start_error = (calls.one_line(err), traceback.format_exc())
+
+    # a coroutine in an async actor (one with any coroutine method), as `rollflow.spans.traced`'s `pop_spans`
+    if any(inspect.iscoroutinefunction(member) for _, member in inspect.getmembers(worker_cls)):
+        async def start_error(self) -> tuple[str, str] | None:
+            return self._start_error
+    else:
+        def start_error(self) -> tuple[str, str] | None:
+            return self._start_error
+    members = {"__init__": __init__, "start_error": start_error, "__module__": worker_cls.__module__,
+               "__doc__": worker_cls.__doc__}
+    return type(worker_cls.__name__, (worker_cls,), members)
 
 
 class WorkerGroups(Mapping[str, WorkerGroup]):

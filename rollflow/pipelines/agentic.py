@@ -17,7 +17,7 @@ from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.models import load_model_config, load_tokenizer
+from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.interrupts import StopSignals
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
 from rollflow.pipelines.preflight import context_length
@@ -75,6 +75,7 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
     roles = agentic_roles(config)
     launch = RoleLaunch(config, roles, {"actor_train": ("policy_gradient",)}, manage_ray)  # starts meanwhile
     with launch.cancelled_on_error():
+        check_model_files(model.path)  # a missing or cut-short weights file is named here, not by a worker
         tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         encoder = TurnEncoder(tokenizer, config.env.system_prompt)
         settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))

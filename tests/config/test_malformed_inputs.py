@@ -66,7 +66,15 @@ def graded_answer(completion: str, **row) -> float:
     return float(completion.strip() == str(row["answer"]))
 
 
-MODEL_FILES = {"m/config.json": json.dumps({"model_type": "qwen2"}), "m/model.safetensors": b"",
+def _safetensors(data_bytes: int, header: dict | None = None) -> bytes:
+    """A safetensors file: its header (`header`, default none of tensors), then `data_bytes` zero bytes."""
+    text = json.dumps(header or {}).encode()
+    return len(text).to_bytes(8, "little") + text + bytes(data_bytes)
+
+
+# A header describing one float32 tensor of 25 values (100 bytes of data) over 40 bytes: a copy cut short.
+TRUNCATED_SAFETENSORS = _safetensors(40, {"w": {"dtype": "F32", "shape": [25], "data_offsets": [0, 100]}})
+MODEL_FILES = {"m/config.json": json.dumps({"model_type": "qwen2"}), "m/model.safetensors": _safetensors(0),
                "m/tokenizer.json": "{}"}
 
 MULTI_DOMAIN = "examples/multi_domain.yaml"
@@ -194,6 +202,10 @@ PREFLIGHT_CASES = [
     Case("model", "`model.path` with NUL", "contains a NUL character", ['model.path="ti\\0ny"']),
     Case("model", "an unreadable `config.json`", "cannot read the model config", ["model.path={tmp}/m"],
          files={**MODEL_FILES, "m/config.json": "{not json"}),
+    Case("model", "a safetensors file cut short (an interrupted copy or download)",
+         "model file DIR/m/model.safetensors is cut short: it has 112 bytes, its header describes 172; copy or "
+         "download it again", ["model.path={tmp}/m"],
+         files={**MODEL_FILES, "m/model.safetensors": TRUNCATED_SAFETENSORS}),
     Case("limits", "`rollout.max_new_tokens=256` (the tiny model's context)",
          "rollout.max_new_tokens is 256, but the model's context holds 256 tokens",
          ["rollout.max_new_tokens=256", "data.eval=null"]),
