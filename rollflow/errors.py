@@ -100,4 +100,7 @@ class StepFailedError(RollflowError):
 
 
 class DiskFullError(RollflowError):
-    """The disk (or the user's quota) filled up while the run wrote a file of its run directory."""
+    """The disk (or the user's quota) filled up while the run wrote a file of its run directory: a fault of the
+    run, not of its input (exit status 1)."""
+
+    exit_code = 1

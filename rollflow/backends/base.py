@@ -268,6 +268,23 @@ def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: di
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reads
 
 
+def save_training_state(state: dict[str, Any], path: str | Path) -> None:
+    """`torch.save(state, path)` through a Python file object, so a failed write keeps its errno.
+
+    Given a path, torch's own C++ writer reports a full disk (or quota) only as `[enforce fail at
+    inline_container.cc] unexpected pos ...`; through a Python file the write that failed raises `OSError`
+    (ENOSPC, EDQUOT), which is what is raised here, and what the driver recognizes as a full disk
+    (`rollflow.trackers.durable_files.disk_full_error`) across the Ray boundary.
+    """
+    try:
+        with open(path, "wb") as out:
+            torch.save(state, out)
+    except RuntimeError as err:  # torch's writer, raised while handling the OSError of the write that failed
+        if isinstance(err.__context__, OSError):
+            raise err.__context__ from None
+        raise
+
+
 class TrainingBackendBase:
     """State and bookkeeping shared by the training backends; each backend extends this class once.
 

@@ -41,6 +41,7 @@ from rollflow.backends.base import (
     TrainingBackendBase,
     build_model,
     load_scheduler_state,
+    save_training_state,
 )
 from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
@@ -286,7 +287,7 @@ class FSDP2Backend(TrainingBackendBase):
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
             "python_rng": random.getstate(),
         }
-        torch.save(trainer_state, path / f"trainer_state_rank{self.rank}.pt")
+        save_training_state(trainer_state, path / f"trainer_state_rank{self.rank}.pt")
         dist.barrier()  # the marker below means every rank finished writing
         if self.rank == 0:
             (path / "rollflow_checkpoint.json").write_text(json.dumps(

@@ -27,6 +27,7 @@ from rollflow.backends.base import (
     TrainingBackendBase,
     build_model,
     load_scheduler_state,
+    save_training_state,
 )
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm
@@ -103,7 +104,7 @@ class TorchBackend(TrainingBackendBase):
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        torch.save(state, path / "trainer_state.pt")
+        save_training_state(state, path / "trainer_state.pt")
         (path / "rollflow_checkpoint.json").write_text(json.dumps(
             {"format": 1, "lora": self.settings.lora is not None}))
 

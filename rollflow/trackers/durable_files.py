@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,18 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # writer, safetensors' Rust IoError) and the OS messages of ENOSPC and EDQUOT inside a remote traceback.
 DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed writing file",
                       "StorageFull")
+# How torch.save given a path reports a write that failed, whatever the reason (its C++ writer drops the errno);
+# it counts as a full disk when the file system being written has less than NEARLY_FULL_BYTES free then.
+TORCH_WRITE_FAILURES = ("unexpected pos",)
+NEARLY_FULL_BYTES = 16 * 2**20
 
 
 def disk_full_error(err: BaseException, path: Path | str) -> DiskFullError | None:
     """The one-line `DiskFullError` for `err` when it means the disk (or quota) is full, else None.
 
     Recognizes an `OSError` with errno ENOSPC / EDQUOT anywhere in the exception's chain, and the messages
-    torch and safetensors raise when a save runs out of space, including inside a Ray worker's traceback.
+    torch and safetensors raise when a save runs out of space, including inside a Ray worker's traceback;
+    torch's `unexpected pos` (a write of its zip writer that fell short) when `path`'s file system is full.
 
     Args:
         err: the exception a write raised (a worker's, through `ray.get`, included).
@@ -44,8 +50,22 @@ def disk_full_error(err: BaseException, path: Path | str) -> DiskFullError | Non
             return DiskFullError(f"no space left on device writing {path}")
         if any(message in str(cause) for message in DISK_FULL_MESSAGES):
             return DiskFullError(f"no space left on device writing {path}")
+        if any(message in str(cause) for message in TORCH_WRITE_FAILURES) and _nearly_full(path):
+            return DiskFullError(f"no space left on device writing {path}")
         cause = cause.__cause__ or cause.__context__ or getattr(cause, "cause", None)
     return None
+
+
+def _nearly_full(path: Path | str) -> bool:
+    """Whether the file system holding `path` (or its nearest existing parent) has under NEARLY_FULL_BYTES free
+    for this user."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

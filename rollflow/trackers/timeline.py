@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rollflow.errors import DiskFullError
 from rollflow.spans import DRIVER_LANE, take
 from rollflow.trackers.durable_files import write_atomically
 
@@ -112,18 +113,24 @@ def timeline_written(run_dir: Path, since: float) -> Iterator[WorkerSpans]:
     process's spans since `since` (`time.time()`) and the workers', which the block hands the yielded
     `WorkerSpans` before they stop (`running_roles(..., before_stop=spans.take_from)`). Enter it outside
     `running_roles`: the picture is drawn after the workers stopped, so drawing's imports and memory never add
-    to the run's peak. A timeline that cannot be written is a warning, never the run's failure."""
+    to the run's peak. A timeline that cannot be written is a warning, never the run's failure (and not even
+    a warning when the run is stopping because the disk is full: its own error line says so)."""
     workers = WorkerSpans()
+    stopping_on: BaseException | None = None
     try:
         yield workers
+    except BaseException as err:
+        stopping_on = err
+        raise
     finally:
         spans = [s for s in take() if s["end"] >= since] + workers.spans
         if Path(run_dir).is_dir():
             try:
                 write_timeline(run_dir, spans)
             except Exception as err:  # noqa: BLE001 - a picture must not fail a run
-                print(f"rollflow: warning: could not write the timeline: {type(err).__name__}: {err}",
-                      file=sys.stderr)
+                if not (isinstance(err, DiskFullError) and isinstance(stopping_on, DiskFullError)):
+                    print(f"rollflow: warning: could not write the timeline: {type(err).__name__}: {err}",
+                          file=sys.stderr)
 
 
 def write_timeline(run_dir: Path, spans: list[dict[str, Any]], picture: bool = True) -> Path | None:
