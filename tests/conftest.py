@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +62,17 @@ def ray_session():
     start_ray(num_cpus=2)
     yield
     stop_ray()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted on `mount_point` with `options` (e.g. "size=64k,ro") for the block; the test is skipped
+    where mounting is not allowed (it needs root and mount rights)."""
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here (needs root and mount rights)")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # a file may still be open

@@ -10,7 +10,6 @@ tmpfs where mounting is allowed."""
 from __future__ import annotations
 
 import errno
-import subprocess
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.errors import DiskFullError
 from rollflow.pipelines.run_directory import save_checkpoint
 from rollflow.trackers.durable_files import disk_full_error
+from tests.conftest import mounted_tmpfs
 
 
 def _full_trainer_state(checkpoint):
@@ -44,14 +44,8 @@ def test_a_full_disk_under_the_trainer_state_raises_enospc(random_model_dir, tmp
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 64 KiB tmpfs (root only, where mounts are allowed; else skipped)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
-    yield mount_point
-    subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # torch may hold a file open
+    with mounted_tmpfs(tmp_path / "small", "size=64k") as mount_point:
+        yield mount_point
 
 
 def test_torchs_own_writer_on_a_full_file_system_is_a_full_disk(small_tmpfs, tmp_path):

@@ -12,12 +12,14 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.errors import ConfigError
+from rollflow.pipelines.evaluate import run_eval
 from rollflow.pipelines.run_directory import (
     RunFinished,
     check_run_dir_writable,
     resume_point,
     write_driver_state,
 )
+from tests.conftest import mounted_tmpfs
 
 
 def _config(output_dir, *overrides):
@@ -27,14 +29,8 @@ def _config(output_dir, *overrides):
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A read-only tmpfs mounted on a directory (root only, where mounts are allowed; else skipped)."""
-    mount_point = tmp_path / "ro"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root and mount rights)")
-    yield mount_point
-    subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+    with mounted_tmpfs(tmp_path / "ro", "size=64k,ro") as mount_point:
+        yield mount_point
 
 
 def test_a_file_as_output_dir_is_one_line(tmp_path):
@@ -78,18 +74,24 @@ def test_a_finished_run_on_a_read_only_mount_still_has_nothing_to_do(tmp_path):
         resume_point(_config(tmp_path, "resume=true"))
 
 
-@pytest.mark.parametrize("command", [["train", "examples/quickstart.yaml", "train.steps=2", "eval.every_steps=0"],
-                                     ["eval", "--model", "tiny"]], ids=["train", "eval"])
-def test_the_command_line_says_it_in_one_line_before_any_worker_starts(tmp_path, command):
+def test_the_command_line_says_it_in_one_line_before_any_worker_starts(tmp_path):
     (tmp_path / "f").write_text("x")
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "rollflow.cli", *command, f"output.dir={tmp_path}/f"],
+    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "train", "examples/quickstart.yaml",
+                             "train.steps=2", "eval.every_steps=0", f"output.dir={tmp_path}/f"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
-        f"rollflow: error: output.dir: cannot create the run directory {tmp_path}/f/"
-        f"{'quickstart' if command[0] == 'train' else 'eval'}: {tmp_path}/f is a file, not a directory; set "
-        "output.dir to a directory"]
+        f"rollflow: error: output.dir: cannot create the run directory {tmp_path}/f/quickstart: {tmp_path}/f is a "
+        "file, not a directory; set output.dir to a directory"]
     assert "starting workers" not in result.stdout  # refused before the workers (was: after them, ~17 s)
     assert time.perf_counter() - started < 60
+
+
+def test_rollflow_eval_checks_its_directory_before_anything_starts(tmp_path):
+    (tmp_path / "f").write_text("x")
+    config = load_config(None, ["data.eval={task: add2, split: eval}", f"output.dir={tmp_path}/f", "name=eval"])
+    with pytest.raises(ConfigError, match=r"^output.dir: cannot create the run directory .*/f/eval: .*/f is a "
+                                          r"file, not a directory"):
+        run_eval(config, manage_ray=False)
