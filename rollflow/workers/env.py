@@ -27,6 +27,8 @@ from rollflow.data.seeds import derive_seed
 from rollflow.envs.base import Env, make_env
 from rollflow.workers.base import PlacedWorker
 
+MAKE_TIMEOUT_S = 120.0  # the least time limit of making an env (its package's import may come first)
+
 
 class InjectedFault(RuntimeError):
     """The error an `env.fault_injection` hook raises."""
@@ -127,11 +129,8 @@ class EnvWorker(PlacedWorker):
         thread = _SlotThread(f"env-{slot}")
         self.created += 1
 
-        def make_and_reset():
-            try:
-                env = make_env(config.id, **kwargs)
-            except Exception as err:  # noqa: BLE001  (said as the constructor's error, not reset's)
-                raise _ConstructorFailed() from err
+        def make():
+            env = make_env(config.id, **kwargs)
             hooks = []
             latency, faults = config.simulated_latency, config.fault_injection
             if latency is not None:
@@ -140,21 +139,24 @@ class EnvWorker(PlacedWorker):
             if faults is not None and not eval_mode:
                 rng = random.Random(derive_seed(self.seed, "faults", self.index, self.created))
                 hooks.append(injected_fault(faults.raise_fraction, faults.hang_fraction, faults.hang_s, rng))
-            if hooks:
-                env = HookedEnv(env, hooks)
-            return env, env.reset(seed=seed)
+            return HookedEnv(env, hooks) if hooks else env
 
-        outcome = await self._run(slot, thread, make_and_reset, "reset")
+        # the first env of a worker may import its package (GEM: seconds), which is not a reset
+        made = await self._run(slot, thread, make, "constructor", max(config.step_timeout_s, MAKE_TIMEOUT_S))
+        if "error" in made:
+            return made
+        env = made["value"]
+        outcome = await self._run(slot, thread, lambda: env.reset(seed=seed), "reset")
         if "error" in outcome:
             return outcome
         try:
-            env, (observation, info) = outcome["value"][0], _reset_result(outcome["value"][1])
+            observation, info = _reset_result(outcome["value"])
         except EnvResultError as err:
-            thread.submit(getattr(outcome["value"][0], "close", lambda: None))
+            thread.submit(getattr(env, "close", lambda: None))
             thread.stop()
             return {"error": str(err)}
         self.slots[slot] = (env, thread)
-        return {"observation": observation, "info": info, "seconds": outcome["seconds"]}
+        return {"observation": observation, "info": info, "seconds": made["seconds"] + outcome["seconds"]}
 
     async def step(self, slot: str, action: str) -> dict[str, Any]:
         """Step the env of `slot` with the model's text.
@@ -208,8 +210,11 @@ class EnvWorker(PlacedWorker):
         """Open slots, envs made and threads left behind by hung steps."""
         return {"open": len(self.slots), "created": self.created, "stranded": self.stranded}
 
-    async def _run(self, slot: str, thread: _SlotThread, fn: Callable[[], Any], what: str) -> dict[str, Any]:
-        limit = self.env_config.step_timeout_s
+    async def _run(self, slot: str, thread: _SlotThread, fn: Callable[[], Any], what: str,
+                   limit: float | None = None) -> dict[str, Any]:
+        """`fn` on the slot's thread within `limit` (default `env.step_timeout_s`): {"value", "seconds"}, or an
+        error record naming `what` (the slot is gone then)."""
+        limit = self.env_config.step_timeout_s if limit is None else limit
         started = time.perf_counter()
         future = thread.submit(fn)
         try:
@@ -218,12 +223,11 @@ class EnvWorker(PlacedWorker):
             self.stranded += 1
             self.slots.pop(slot, None)
             thread.stop()
-            return {"error": f"env {what} ran past env.step_timeout_s = {limit:g} s"}
+            bound = "env.step_timeout_s" if limit == self.env_config.step_timeout_s else "its time limit"
+            return {"error": f"env {what} ran past {bound} = {limit:g} s"}
         except Exception as err:  # noqa: BLE001  (the env's own error fails its trajectory, not the run)
             self.close_slot(slot)
             thread.stop()
-            if isinstance(err, _ConstructorFailed):
-                err, what = err.__cause__, "constructor"
             lines = str(err).strip().splitlines()
             return {"error": f"env {what} raised {type(err).__name__}: {lines[0] if lines else ''}".rstrip(": "),
                     "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))}
@@ -232,10 +236,6 @@ class EnvWorker(PlacedWorker):
     def close(self) -> None:
         for slot in list(self.slots):
             self.close_slot(slot)
-
-
-class _ConstructorFailed(Exception):
-    """Wraps (as its cause) what an env's constructor raised, so the error names the constructor."""
 
 
 class EnvResultError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -19,8 +20,12 @@ class BrokenEnv:
 
     def __init__(self, mode: str = "ok"):
         self.mode = mode
+        if mode == "slow_constructor":
+            time.sleep(0.6)  # as a first `import gem` in a worker
 
     def reset(self, seed=None):
+        if self.mode == "slow_reset":
+            time.sleep(0.6)
         return {"reset_dict": ({"board": [1, 2]}, {}), "reset_none": (None, {}),
                 "reset_bare": "just text"}.get(self.mode, ("start", {}))
 
@@ -38,9 +43,9 @@ def make_broken(mode: str = "ok") -> BrokenEnv:
     return BrokenEnv(mode)
 
 
-def worker(**kwargs) -> EnvWorker:
+def worker(step_timeout_s: float = 30.0, **kwargs) -> EnvWorker:
     config = AgenticConfig.model_validate({"env": {"id": "tests.workers.test_env_worker:make_broken",
-                                                   "kwargs": kwargs}})
+                                                   "kwargs": kwargs, "step_timeout_s": step_timeout_s}})
     return EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), config)
 
 
@@ -100,3 +105,10 @@ def test_an_env_that_raises_keeps_its_traceback():
     reset, step = play(env_worker)
     assert step["error"] == "env step raised InjectedFault: injected fault: the env raised"
     assert step["traceback"].startswith("Traceback") and "InjectedFault" in step["traceback"]
+
+
+def test_making_an_env_is_not_bound_by_the_step_limit_but_a_reset_is():
+    reset, step = play(worker(step_timeout_s=0.3, mode="slow_constructor"))
+    assert reset["observation"] == "start" and step["reward"] == 1.0
+    reset, _ = play(worker(step_timeout_s=0.3, mode="slow_reset"))
+    assert reset == {"error": "env reset ran past env.step_timeout_s = 0.3 s"}
