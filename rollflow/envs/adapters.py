@@ -11,7 +11,9 @@ import importlib
 import inspect
 import random
 import re
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 from rollflow.envs.actions import parse_first_integer, parse_name
@@ -21,6 +23,10 @@ from rollflow.registry import Registry
 
 _ANSI_HIGHLIGHT = re.compile(r"\x1b\[4[0-7]m(.*?)\x1b\[0m")  # a background colour marks the agent's cell
 _ANSI_CODE = re.compile(r"\x1b\[[0-9;]*m")
+# GEM's games draw from the process-wide `random` and `numpy.random` (their reset(seed) seeds those); an env
+# worker plays many envs on threads of one process, so each GEM env's calls run with its own saved states swapped
+# in, one env at a time (`GemTextEnv._own_random`).
+_GLOBAL_RANDOM = threading.Lock()
 
 # --- GEM -------------------------------------------------------------------------------------------------
 
@@ -135,6 +141,13 @@ def _check_gem_kwargs(gem_id: str, entry_point: Any, kwargs: dict[str, Any]) -> 
                           f"{', '.join(taken)}; the adapter: {', '.join(_ADAPTER_KWARGS)}")
 
 
+def _numpy_random():
+    """`numpy.random` (GEM requires numpy; imported when a GEM env is made, as gem is)."""
+    import numpy
+
+    return numpy.random
+
+
 def _first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
@@ -153,6 +166,11 @@ class GemTextEnv:
     reward can be 1/9), and less otherwise: partial credit when the turns run out, -0.1 for a format error.
     GEM's one-turn envs (math, code, qa, reasoning gym) pay 1 for a correct answer. An `info["success"]` the
     env sets itself is kept.
+
+    Randomness: GEM's games draw from the global `random` and `numpy.random` (Minesweeper places its mines at
+    the first reveal, Game2048 spawns tiles every move). Each adapter keeps its own copies of both states and
+    swaps them in around every call of the game, under a lock: envs of one seed played side by side on threads
+    of one env worker play the same game, as a group's comparison needs.
 
     `info["invalid_action"]`: the step's reward is GEM's format-error reward
     (`LanguageGameReward.format_error_reward`, -0.1), which GEM's games and code envs give, ending the
@@ -177,6 +195,23 @@ class GemTextEnv:
         self.observations: list[str] = []
         self.actions: list[str] = []
         self.episode_return = 0.0
+        self._random_states = (random.getstate(), _numpy_random().get_state())
+
+    @contextmanager
+    def _own_random(self):
+        """This env's `random` / `numpy.random` states in the global generators for the block (see the class
+        docstring); the process's own states are put back after."""
+        numpy_random = _numpy_random()
+        with _GLOBAL_RANDOM:
+            saved = random.getstate(), numpy_random.get_state()
+            random.setstate(self._random_states[0])
+            numpy_random.set_state(self._random_states[1])
+            try:
+                yield
+            finally:
+                self._random_states = (random.getstate(), numpy_random.get_state())
+                random.setstate(saved[0])
+                numpy_random.set_state(saved[1])
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         """Reset the wrapped env.
@@ -187,7 +222,8 @@ class GemTextEnv:
         Returns:
             (observation, info).
         """
-        observation, info = self.env.reset(seed=seed)
+        with self._own_random():
+            observation, info = self.env.reset(seed=seed)
         self.observations, self.actions, self.episode_return = [observation], [], 0.0
         return self.observation_mode(self.observations, self.actions, info), info
 
@@ -200,7 +236,8 @@ class GemTextEnv:
         Returns:
             (observation, reward, terminated, truncated, info).
         """
-        observation, reward, terminated, truncated, info = self.env.step(action)
+        with self._own_random():
+            observation, reward, terminated, truncated, info = self.env.step(action)
         reward, terminated, truncated = float(reward), bool(terminated), bool(truncated)
         self.observations.append(observation)
         self.actions.append(info.get("parsed_action", action))  # what GEM's wrappers show of an action
@@ -212,10 +249,9 @@ class GemTextEnv:
     def random_action(self, rng: random.Random) -> str:
         """GEM's random action (`sample_random_action`), drawn from `rng`.
 
-        GEM draws from the global `random` module, which its `reset(seed)` seeds and its games' dynamics draw
-        from too; so the global state is seeded from `rng` for the draw and put back after: the action is
-        reproducible from `rng`, and the game's own draws are unchanged (not thread-safe: for `rollflow env
-        play` and tests).
+        GEM draws from the global `random` module, which its games' dynamics draw from too; so, with the process's
+        state saved, it is seeded from `rng` for the draw and put back after: the action is reproducible from
+        `rng`, and the game's own draws are unchanged.
 
         Args:
             rng: the random source.
@@ -226,15 +262,16 @@ class GemTextEnv:
         Raises:
             ConfigError: the env has no random action (GEM's TowerofHanoi).
         """
-        state = random.getstate()
-        random.seed(rng.getrandbits(64))
-        try:
-            return self.env.sample_random_action()
-        except NotImplementedError:
-            raise ConfigError(f"env '{self.name}' has no random action (GEM's sample_random_action is not "
-                              "implemented)") from None
-        finally:
-            random.setstate(state)
+        with _GLOBAL_RANDOM:
+            state = random.getstate()
+            random.seed(rng.getrandbits(64))
+            try:
+                return self.env.sample_random_action()
+            except NotImplementedError:
+                raise ConfigError(f"env '{self.name}' has no random action (GEM's sample_random_action is not "
+                                  "implemented)") from None
+            finally:
+                random.setstate(state)
 
     def close(self) -> None:
         """Close the wrapped env, if it can be closed (GEM's base env has no `close`)."""

@@ -310,3 +310,16 @@ def test_gym_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "gymnasium", None)
     with pytest.raises(ConfigError, match=r"gymnasium package is not installed"):
         make_env("gym:FrozenLake-v1")
+
+
+def test_gem_envs_of_one_seed_played_side_by_side_play_the_same_game():
+    """GEM's Minesweeper places its mines from the global `random` at the first reveal: two envs of one seed
+    stepped in turn (as an env worker's threads do) drew from one shared state and got different boards."""
+    pytest.importorskip("gem")
+    first, second = make_gem_env("game:Minesweeper-v0-easy"), make_gem_env("game:Minesweeper-v0-easy")
+    assert first.reset(3) == second.reset(3)
+    random.seed(12345)  # the process's own state is the process's: left as it was
+    before = random.getstate()
+    for action in ["\\boxed{reveal 2 2}", "\\boxed{reveal 4 3}", "\\boxed{reveal 0 0}", "\\boxed{reveal 2 1}"]:
+        assert first.step(action)[:4] == second.step(action)[:4]
+    assert random.getstate() == before
