@@ -182,8 +182,9 @@ def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRol
         groups_per_step=rollout.groups_per_step, group_size=rollout.group_size,
         group_redundancy=rollout.group_redundancy, refill_bound=rollout.refill_bound, samples=rollout.samples,
         history_turns=rollout.history_turns, max_turns=config.env.max_turns, max_context_tokens=limit,
-        max_staleness=min(rollout.max_staleness, config.train.steps), lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s,
-        watchdog_s=config.cluster.watchdog_s, train_seed_bound=max(config.eval.seed_start, 1))
+        max_staleness=min(rollout.max_staleness, config.train.steps),  # none can be older than the run is long
+        lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s, watchdog_s=config.cluster.watchdog_s,
+        train_seed_bound=max(config.eval.seed_start, 1))
 
 
 def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig) -> dict[str, float]:
