@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollflow.cluster.runtime import check_reachable
+from rollflow.cluster.joining import check_reachable
 from rollflow.errors import ConfigError
 
 
@@ -70,7 +70,7 @@ def test_ray_init_failing_after_the_probe_is_one_line_without_rays_output(monkey
 
     import ray
 
-    from rollflow.cluster import runtime
+    from rollflow.cluster import joining
 
     attempts = []
 
@@ -86,7 +86,7 @@ def test_ray_init_failing_after_the_probe_is_one_line_without_rays_output(monkey
         server.listen()
         address = f"127.0.0.1:{server.getsockname()[1]}"
         with pytest.raises(ConfigError) as error:
-            runtime.join_ray(address)
+            joining.join_ray(address)
     assert str(error.value) == (f"cannot reach the Ray cluster at {address} (Ray: Failed to connect to Ray cluster "
                                 "at 192.0.2.2:8265); start it with `ray start --head` or fix cluster.address")
     assert attempts == ["1"] and "RAY_gcs_server_port_wait_time_s" not in os.environ  # put back
@@ -98,11 +98,11 @@ def test_a_join_that_succeeds_prints_what_ray_printed(monkeypatch, capfd):
 
     import ray
 
-    from rollflow.cluster import runtime
+    from rollflow.cluster import joining
 
     monkeypatch.setattr(ray, "init", lambda **kwargs: os.write(2, b"a warning of Ray's\n"))
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        runtime.join_ray(f"127.0.0.1:{server.getsockname()[1]}")
+        joining.join_ray(f"127.0.0.1:{server.getsockname()[1]}")
     assert capfd.readouterr().err == "a warning of Ray's\n"
