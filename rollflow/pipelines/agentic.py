@@ -118,9 +118,10 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 colocation.enter("rollout")
                 with span("rollout"):
                     result = envs.next_batch(step, version)
+                logged = config.output.samples_logged_per_step
+                failed_logged = readable(failed_samples(result.failed[:logged]), tokenizer)  # why, for the log
                 if not result.groups:  # nothing to train on: say why, do not go on as if it were a step
-                    write_samples(config.run_dir / "samples.jsonl", step, readable(failed_samples(
-                        result.failed[:config.output.samples_logged_per_step]), tokenizer), len(result.failed))
+                    write_samples(config.run_dir / "samples.jsonl", step, failed_logged, len(failed_logged))
                     raise no_episodes_error(f"step {step}", result.failed,
                                             sum(len(group.episodes) for group in result.dropped), rollout.group_size)
                 warn(errors.lines(f"step {step}", result.failed))
@@ -142,10 +143,8 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                         metrics.update(evaluate(envs, colocation, eval_seeds, greedy, f"eval at step {step}", errors))
                     metrics["time/step"] = time.perf_counter() - started
                     tracker.log(step, metrics)
-                    logged = readable(samples[:config.output.samples_logged_per_step]
-                                      + failed_samples(result.failed[:config.output.samples_logged_per_step]),
-                                      tokenizer)
-                    write_samples(config.run_dir / "samples.jsonl", step, logged, len(logged))
+                    written = readable(samples[:logged], tokenizer) + failed_logged
+                    write_samples(config.run_dir / "samples.jsonl", step, written, len(written))
                     state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
                     if step == config.train.steps or config.output.save_every_steps and \
                             step % config.output.save_every_steps == 0:
