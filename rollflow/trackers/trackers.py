@@ -8,24 +8,72 @@ import queue
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 
 from rollflow.trackers.durable_files import append_records
 
-# metric key -> short label for the one-line console summary, in display order
-CONSOLE_COLUMNS = {
-    "reward/mean": "reward",
-    "rollout/accuracy": "acc",
-    "eval/accuracy": "eval_acc",
-    "rollout/response_length": "len",
-    "actor/kl": "kl",
-    "rollout/tokens_per_second": "tok/s",
-    "time/step": "step_s",
+
+class Column(NamedTuple):
+    """One entry of the console's step line: `<label> <value>` when the step logged `key`.
+
+    Attributes:
+        key: the metric (docs/metrics.md).
+        label: its short name on the line.
+        held: shown on every line from the step that logged it until a step logs it again (an eval's
+            results, so a supervised run's line always says where the last eval left the model).
+    """
+
+    key: str
+    label: str
+    held: bool = False
+
+
+# The step line of each pipeline, in display order.
+RL_COLUMNS = (
+    Column("reward/mean", "reward"),
+    Column("rollout/accuracy", "acc"),
+    Column("eval/accuracy", "eval_acc"),
+    Column("rollout/response_length", "len"),
+    Column("actor/kl", "kl"),
+    Column("rollout/tokens_per_second", "tok/s"),
+    Column("time/step", "step_s"),
+)
+SUPERVISED_COLUMNS = (  # SFT and distillation: the training loss, the last eval's loss and greedy accuracy
+    Column("loss", "loss"),
+    Column("epoch", "epoch"),
+    Column("val/loss", "val_loss", held=True),
+    Column("val/accuracy", "val_acc", held=True),
+    Column("eval/loss", "eval_loss", held=True),
+    Column("eval/accuracy", "eval_acc", held=True),
+    Column("time/step", "step_s"),
+)
+DPO_COLUMNS = (  # DPO's `loss` is a surrogate with the right gradient; `dpo/loss` is the real one
+    Column("dpo/loss", "loss"),
+    Column("dpo/reward_accuracy", "pref_acc"),
+    Column("val/dpo/reward_accuracy", "val_pref_acc", held=True),
+    Column("val/accuracy", "val_acc", held=True),
+    Column("eval/dpo/reward_accuracy", "eval_pref_acc", held=True),
+    Column("eval/accuracy", "eval_acc", held=True),
+    Column("time/step", "step_s"),
+)
+AGENTIC_COLUMNS = (
+    Column("rollout/success", "success"),
+    Column("rollout/return", "return"),
+    Column("eval/success", "eval_success"),
+    Column("rollout/turns", "turns"),
+    Column("time/step", "step_s"),
+)
+CONSOLE_COLUMNS: dict[str, tuple[Column, ...]] = {
+    "rlvr": RL_COLUMNS, "agentic": AGENTIC_COLUMNS, "sft": SUPERVISED_COLUMNS, "distill": SUPERVISED_COLUMNS,
+    "dpo": DPO_COLUMNS,
 }
+RECENT_STEPS = 10  # the ETA's step time: the mean of this many latest steps
+WALL_TIME_KEY = "time/unix"  # each metrics.jsonl record's wall-clock time (docs/metrics.md, "The record")
 
 
 TB_FLUSH_S = 10  # how stale TensorBoard's files may be while a run runs
@@ -75,16 +123,22 @@ class MetricsTracker:
         resumed_at: the checkpoint step a resumed run continues from: TensorBoard hides the events of later
             steps the interrupted run had written (they run again). `metrics.jsonl` was already cut back by
             `prepare_run_dir`.
+        columns: what the console's step line shows (`CONSOLE_COLUMNS[pipeline]`; RLVR's by default).
         clock: monotonic seconds, which time the steps for the ETA (tests pass a fake one).
+        wall_clock: Unix seconds, which stamp each `metrics.jsonl` record (`time/unix`).
 
     Raises:
         DiskFullError: (from `log`) the disk filled up writing `metrics.jsonl`.
     """
 
     def __init__(self, run_dir: Path, trackers: list[str], total_steps: int, resumed_at: int | None = None, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 columns: tuple[Column, ...] = RL_COLUMNS, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
+        self.columns = columns
+        self.held: dict[str, float] = {}  # the latest value of each held column
+        self.wall_clock = wall_clock
         # soft_wrap: a line stays one line in a file or a pipe (rich would wrap it at 80 columns there)
         self.console = Console(highlight=False, soft_wrap=True)
         self.step_lines = "console" in trackers  # one line per step; run messages always print
@@ -113,21 +167,29 @@ class MetricsTracker:
         self.step_timer.lap(step)
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         if self.jsonl:
-            append_records(self.jsonl, [{"step": step, **clean}])  # one write: never half a record
+            # the record alone has a wall-clock time: TensorBoard and W&B stamp each point themselves
+            record = {"step": step, WALL_TIME_KEY: round(self.wall_clock(), 3), **clean}
+            append_records(self.jsonl, [record])  # one write: never half a record
         if self.tensorboard:
             self.tensorboard.log(step, {key: value for key, value in clean.items() if math.isfinite(value)})
         if self.wandb:
             self.wandb.log(step, {key: value for key, value in clean.items() if math.isfinite(value)})
+        self.held.update({column.key: clean[column.key] for column in self.columns
+                          if column.held and column.key in clean})
         if self.step_lines:
-            parts = [f"[bold]step {step}/{self.total_steps}[/bold]"]
-            for key, label in CONSOLE_COLUMNS.items():
-                if key in clean:
-                    value = clean[key]
-                    parts.append(f"{label} {value:.0f}" if abs(value) >= 100 else f"{label} {value:.3g}")
-            eta = self.step_timer.eta(self.total_steps - step)
-            if eta is not None:
-                parts.append(f"eta {format_duration(eta)}")
-            self.console.print("  ".join(parts))
+            self.console.print(self.step_line(step, clean))
+
+    def step_line(self, step: int, metrics: dict[str, float]) -> str:
+        """`step i/N`, then `<label> <value>` for each column the step logged (or holds), then the ETA."""
+        parts = [f"[bold]step {step}/{self.total_steps}[/bold]"]
+        for column in self.columns:
+            value = metrics.get(column.key, self.held.get(column.key) if column.held else None)
+            if value is not None:
+                parts.append(f"{column.label} {value:.0f}" if abs(value) >= 100 else f"{column.label} {value:.3g}")
+        eta = self.step_timer.eta(self.total_steps - step)
+        if eta is not None:
+            parts.append(f"eta {format_duration(eta)}")
+        return "  ".join(parts)
 
     def print(self, message: str) -> None:
         self.console.print(message)
@@ -154,25 +216,32 @@ class StepTimer:
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
         self.last = clock()
-        self.seconds: list[float] = []  # of the steps this process ran, in order
+        self.first: float | None = None  # the process's first step: warm-up
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the latest steps after it, newest last
 
     def lap(self, step: int) -> None:
         """Step `step` is done now."""
         now = self.clock()
         if step > 0:
-            self.seconds.append(now - self.last)
+            if self.first is None:
+                self.first = now - self.last
+            else:
+                self.recent.append(now - self.last)
         self.last = now
 
     def eta(self, steps_left: int) -> float | None:
-        """Seconds the `steps_left` steps will take at the mean step time so far; None before the first step.
+        """Seconds the `steps_left` steps will take at the mean time of the latest `RECENT_STEPS` steps; None
+        before the first step.
 
-        The process's first step includes warm-up (engines and trainer compiling, caches filling, a resumed
-        run's checkpoint loading), so it is left out of the mean once there is a second one.
+        The latest steps, not all: after a slow patch (a busy machine, a stalled worker) the estimate is right
+        again `RECENT_STEPS` steps later, where a mean over the run carries the patch to its end. The
+        process's first step includes warm-up (engines and trainer compiling, caches filling, a resumed run's
+        checkpoint loading), so it is left out once there is a second one.
         """
-        if not self.seconds:
+        if self.first is None:
             return None
-        steady = self.seconds[1:] or self.seconds
-        return statistics.fmean(steady) * max(steps_left, 0)
+        step_seconds = statistics.fmean(self.recent) if self.recent else self.first
+        return step_seconds * max(steps_left, 0)
 
 
 def format_duration(seconds: float) -> str:

@@ -49,7 +49,7 @@ class ActorTrainWorker(PlacedWorker):
         torch.manual_seed(config.seed)
         role, train = config.roles.actor_train, config.train
         lora = role.lora.model_dump() if role.lora is not None else None
-        settings = trainer_settings(config, lr=train.lr, lora=lora)
+        settings = trainer_settings(config, lr=train.lr, lora=lora, total_steps=config.actor_optimizer_steps)
         self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:

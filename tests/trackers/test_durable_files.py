@@ -136,12 +136,12 @@ def test_disk_full_as_error_maps_a_worker_failure_and_passes_others(tmp_path):
 
 
 def test_tracker_and_samples_write_whole_records(tmp_path):
-    tracker = MetricsTracker(tmp_path, ["jsonl"], total_steps=2)
+    tracker = MetricsTracker(tmp_path, ["jsonl"], total_steps=2, wall_clock=lambda: 1700000000.25)
     assert (tmp_path / "metrics.jsonl").exists()  # from the start
     tracker.log(1, {"reward/mean": 0.5, "note": "text is not a metric"})
     tracker.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [{"step": 1, "reward/mean": 0.5}]
+        [{"step": 1, "time/unix": 1700000000.25, "reward/mean": 0.5}]
     write_samples(tmp_path / "samples.jsonl", 1, step_samples(), count=3)
     rows = read_records(tmp_path / "samples.jsonl")
     assert [(row["step"], row["group"], row["status"]) for row in rows] == \
