@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
+MAX_NAME_LENGTH = 100  # `rollflow.config.sections.MAX_NAME_LENGTH`, which this module cannot import (torch)
+# Path parts that say nothing of which model it is: a checkpoint's `model/`, a LoRA checkpoint's `merged/`.
+_ANONYMOUS_PARTS = {"", ".", "..", "model", "merged", "checkpoints"}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -118,13 +122,38 @@ def _keep_worker_traceback(err: BaseException, run_dir) -> None:
 
 
 def _eval_overrides(args: argparse.Namespace) -> list[str]:
-    """`rollflow eval`'s flags as config overrides, then the user's own (last: `data.eval.limit=100` wins)."""
-    overrides = [f"model.path={args.model}", "train.steps=1", f"name={args.name}"]
+    """`rollflow eval`'s flags as config overrides, then the user's own (last: `data.eval.limit=100` wins).
+    Without `--name` the eval's directory is named after the model (`eval_directory_name`)."""
+    name = eval_directory_name(args.model) if args.name is None else args.name
+    overrides = [f"model.path={args.model}", "train.steps=1", f"name={name}"]
     if args.config is None:  # every row, as the quickstart's eval (the schema's default eval set stops at 200)
         overrides.append("data.eval.limit=null")
     if args.data:  # replaces the config's eval set, `task` or `path`
         overrides.append(f"data.eval.path={args.data}")
     return [*overrides, *args.overrides]
+
+
+def eval_directory_name(model: str) -> str:
+    """The directory name `rollflow eval --model MODEL` writes to without `--name`: `eval-` and the model's
+    name, so evals of different models never share a directory.
+
+    A checkpoint is named by its run and step (`runs/quick/checkpoints/step_20/model` -> `eval-quick-step_20`),
+    another path or hub id by its last part (`tiny` -> `eval-tiny`, `Qwen/Qwen2.5-0.5B` -> `eval-Qwen2.5-0.5B`);
+    characters other than letters, digits, `.`, `_` and `-` become `_`.
+
+    Args:
+        model: `--model` as given (a bundled name, a directory, a checkpoint or a hub id).
+    """
+    parts = Path(model).expanduser().parts
+    if "checkpoints" in parts:  # runs/NAME/checkpoints/step_N/model[/merged]
+        at = len(parts) - 1 - parts[::-1].index("checkpoints")
+        named = [part for part in (*parts[at - 1:at], *parts[at + 1:at + 2]) if part not in _ANONYMOUS_PARTS]
+    else:
+        named = [part for part in parts if part not in _ANONYMOUS_PARTS][-1:]
+    if not named:  # `.` or `model`: the directory's own name
+        named = [Path(model).expanduser().resolve().name or "model"]
+    name = "eval-" + re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(named))
+    return name[:MAX_NAME_LENGTH]
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -136,6 +165,8 @@ def _eval(args: argparse.Namespace) -> int:
     metrics = run_eval(config)
     for key, value in sorted(metrics.items()):
         print(f"{key}: {value:.4g}")
+    print(f"eval directory: {config.run_dir} (eval_samples.jsonl: every decoded sample; metrics.jsonl; "
+          "config.yaml)")
     return 0
 
 
@@ -196,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", default=None,
                           help="eval dataset (JSONL, parquet, ...), replacing the config's eval set (default: the "
                                "config's; without --config, all 500 held-out sums of add2)")
-    evaluate.add_argument("--name", default="eval", help="run name for the output directory")
+    evaluate.add_argument("--name", default=None,
+                          help="the eval's directory, output.dir/NAME (default: named after the model, e.g. "
+                               "eval-tiny, eval-quickstart-step_120); an earlier eval there is moved aside to "
+                               "NAME.1")
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
     evaluate.set_defaults(handler=_eval, prestart=_prestart_for_eval)
 

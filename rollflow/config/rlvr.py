@@ -87,8 +87,10 @@ class RolloutConfig(Strict):
 
 class RewardFunctionConfig(Strict):
     name: str = Field(
-        description="A registered reward (see [rewards.md](rewards.md)) or a dotted path "
-                    "`pkg.module:function`.")
+        description="A registered reward (see [rewards.md](rewards.md)), a dotted path "
+                    "`pkg.module:function` (importable: installed, on `PYTHONPATH` or in the working "
+                    "directory), or a file path `path/to/file.py:function` (relative to the working "
+                    "directory, or absolute).")
     weight: float = Field(default=1.0, description="Its weight in the training reward.")
     kwargs: dict[str, Any] = Field(default={}, description="Extra keyword arguments passed to the function.")
 
@@ -455,3 +457,11 @@ class RLVRConfig(RunConfigBase):
                 "the actor would never train"
             )
         return self
+
+    @property
+    def actor_optimizer_steps(self) -> int:
+        """The optimizer steps the actor takes in the run: `train.optimizer_steps_per_step` in every step after
+        the critic's warm-up (`train.critic_warmup_steps`). Its learning-rate schedule spans them, so a cosine
+        reaches 0 at the actor's last update, however many steps only the critic trained."""
+        train = self.train
+        return (train.steps - train.critic_warmup_steps) * train.optimizer_steps_per_step

@@ -280,6 +280,24 @@ class EvalConfig(Strict):
     max_new_tokens: int | None = Field(
         default=None, gt=0,
         description="Response length limit of the eval, in tokens; `null`: `rollout.max_new_tokens`.")
+    group_by: list[str] = Field(
+        default=[],
+        description="Eval dataset columns to break the greedy accuracy down by: per value V of column C, "
+                    "`eval/C=V/accuracy` and `eval/C=V/samples` (e.g. `[difficulty]` gives "
+                    "`eval/difficulty=hard/accuracy`), printed in the run's last lines. Every eval row must "
+                    "have each column (checked before the first step).")
+
+    @field_validator("group_by")
+    @classmethod
+    def _plain_columns(cls, columns: list[str]) -> list[str]:
+        """A column name becomes part of a metric name (`eval/C=V/accuracy`): no `/` or `=`, each once."""
+        for column in columns:
+            if not column.strip() or "/" in column or "=" in column:
+                raise ValueError(f"column {column!r} must be a non-empty name without '/' or '='")
+        repeated = sorted({column for column in columns if columns.count(column) > 1})
+        if repeated:
+            raise ValueError(f"each column may appear once; repeated: {', '.join(repeated)}")
+        return columns
 
 
 class RoleConfig(Strict):
@@ -431,8 +449,8 @@ class RolesConfig(Strict):
                 ("actor_train.device_mapping", "set", train.device_mapping is not None)) if bad]
             if wrong:
                 raise ValueError("actor_infer.hybrid runs one hf engine inside the one torch trainer process, "
-                                 f"on CPU without device_mapping; this config has {'; '.join(wrong)}. Set "
-                                 "hybrid: false for separate engine workers")
+                                 f"on CPU without device_mapping; this config has {'; '.join(wrong)}. For "
+                                 "separate engine workers set roles.actor_infer.hybrid=false")
         lora = self.actor_train.lora
         if lora is not None and self.actor_train.backend != "torch":
             raise ValueError(f"actor_train.lora works with the torch backend only "
@@ -617,11 +635,13 @@ class RunConfigBase(Strict):
     @model_validator(mode="after")
     def _hybrid_engine_fits(self) -> RunConfigBase:
         if self.roles.actor_infer.hybrid and self.cluster.device != "cpu":
-            raise ValueError("roles.actor_infer.hybrid is for CPU runs (cluster.device cpu); on GPUs colocate "
-                             "separate engine workers with device_mapping")
+            raise ValueError("roles.actor_infer.hybrid is for CPU runs (cluster.device cpu); on GPUs set "
+                             "roles.actor_infer.hybrid=false and colocate separate engine workers with "
+                             "device_mapping")
         if self.roles.actor_infer.hybrid and self.cluster.weight_sync_transport != "object_store":
             raise ValueError("roles.actor_infer.hybrid copies weights inside one process; "
-                             "cluster.weight_sync_transport: broadcast needs separate engine workers")
+                             "cluster.weight_sync_transport: broadcast needs separate engine workers, "
+                             "set roles.actor_infer.hybrid=false")
         return self
 
     @model_validator(mode="after")
@@ -634,6 +654,11 @@ class RunConfigBase(Strict):
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / self.name
+
+    @property
+    def actor_optimizer_steps(self) -> int:
+        """The optimizer steps the actor takes in the run, which its learning-rate schedule spans."""
+        return self.train.steps * self.train.optimizer_steps_per_step
 
 
 def _control_characters(text: str) -> str:

@@ -402,6 +402,14 @@ class GymTextEnv:
         number = parse_first_integer(text)
         return number if number is not None and space.start <= number < space.start + space.n else None
 
+    def play_help(self) -> str:
+        """The actions, for a person playing (`rollflow env play`)."""
+        space = self.env.action_space
+        numbers = f"{int(space.start)}..{int(space.start) + int(space.n) - 1}"
+        if self.action_names is None:
+            return f"moves: an action number, {numbers}"
+        return f"moves: {', '.join(self.action_names)} (or the action number, {numbers})"
+
     def _set_observation(self, observation: Any) -> None:
         self._anchor = str(observation)
         rendering = self.env.render() if self.env.render_mode == "ansi" else None

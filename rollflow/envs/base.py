@@ -17,6 +17,11 @@ Conventional `info` keys (all optional):
     anchor: str, a name of the state the action was taken in, for GiGPO's anchor-state groups; default: the
         observation text.
     tool_calls: int, tool calls made in this step (tool envs).
+    outcome: str, on the step that ends the episode, why it ended, in a few words ("fell into a hole",
+        "reached the goal", "out of turns: all 8 moves used"); `rollflow env play` prints it.
+
+An env may also have `play_help() -> str`: for a person playing it (`rollflow env play`), a few lines with the
+legend of its observation's symbols and the moves it accepts. Every built-in has one.
 
 Env ids: a built-in name (`frozenlake`, `sokoban`, `countdown`, `guess_number`), `gem:<GEM id>` (any
 environment of the `gem-llm` package), `gym:<gymnasium id>` (gymnasium envs with text observations), or a

@@ -144,7 +144,18 @@ class Countdown:
 
     def _result(self, observation: str, reward: float, invalid: bool, tool_calls: int = 0) -> StepResult:
         info = {"success": self.success, "invalid_action": invalid, "anchor": observation, "tool_calls": tool_calls}
-        return observation, reward, self.done, not self.done and self.turns >= self.max_turns, info
+        truncated = not self.done and self.turns >= self.max_turns
+        if self.done or truncated:
+            info["outcome"] = ("right answer" if self.success else f"wrong answer; a right one: {self.solution}") \
+                if self.done else f"out of turns: all {self.max_turns} turns used; a right answer: {self.solution}"
+        return observation, reward, self.done, truncated, info
+
+    def play_help(self) -> str:
+        """The two kinds of turn, for a person playing (`rollflow env play`)."""
+        return (f"answer: an expression with + - * / and parentheses using each given number once, e.g. 3*5+7 "
+                f"(or <answer>3*5+7</answer>); one answer ends the episode\n"
+                f"tool: <python>print(3*5+7)</python> runs Python and shows its output ({self.max_tool_calls} "
+                f"calls); {self.max_turns} turns in all")
 
     def expert_action(self) -> str:
         """Check the known solution with the tool first (while calls are left), then answer it."""

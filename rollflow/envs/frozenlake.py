@@ -115,7 +115,17 @@ class FrozenLake:
         observation = self.render()
         info = {"success": self.success, "invalid_action": invalid, "anchor": observation}
         truncated = not self.done and self.turns >= self.max_turns
+        if self.done or truncated:
+            info["outcome"] = ("reached the goal" if self.success else "fell into a hole") if self.done else \
+                f"out of turns: all {self.max_turns} moves used"
         return observation, reward, self.done, truncated, info
+
+    def play_help(self) -> str:
+        """The legend and the moves, for a person playing (`rollflow env play`)."""
+        slippery = "; the ice is slippery: a move goes sideways 2 times in 3" if self.slippery else ""
+        return (f"legend: {PLAYER} you, {FROZEN} frozen ice, {HOLE} hole, {GOAL} goal\n"
+                f"moves: Left, Down, Right, Up (or L, D, R, U); reach {GOAL} in {self.max_turns} moves without "
+                f"falling into a hole{slippery}")
 
     def render(self) -> str:
         """The grid rows joined by newlines, the player drawn as `P` over its cell."""

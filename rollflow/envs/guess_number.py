@@ -86,7 +86,16 @@ class GuessNumber:
     def _result(self, reward: float, invalid: bool, observation: str | None = None) -> StepResult:
         self.observation = observation or self.observation
         info = {"success": self.done, "invalid_action": invalid, "anchor": self._anchor()}
-        return self.observation, reward, self.done, not self.done and self.turns >= self.max_turns, info
+        truncated = not self.done and self.turns >= self.max_turns
+        if self.done or truncated:
+            info["outcome"] = f"guessed the number, {self.secret}" if self.done else \
+                f"out of turns: all {self.max_turns} guesses used; the number was {self.secret}"
+        return self.observation, reward, self.done, truncated, info
+
+    def play_help(self) -> str:
+        """The moves, for a person playing (`rollflow env play`)."""
+        return (f"moves: a number from {self.low} to {self.high}; the answer is {HIGHER} (the secret number is "
+                f"larger), {LOWER} (smaller) or {CORRECT}; {self.max_turns} guesses")
 
     def _anchor(self) -> str:
         """The state is the range the answers so far allow (the observation alone does not name it)."""

@@ -58,8 +58,16 @@ def _require(env: Any, method: str) -> None:
                           "GEM envs a random one")
 
 
+def play_help(env: Any) -> str | None:
+    """The env's help for a person playing it (its `play_help()`: the legend of its symbols and the moves it
+    accepts), or None when it has none (a GEM or user env)."""
+    help_of = getattr(env, "play_help", None)
+    return help_of() if callable(help_of) else None
+
+
 def run_episode(
-    env: Env, policy: Policy, seed: int | None, max_steps: int = 100, echo: Callable[[str], None] | None = None
+    env: Env, policy: Policy, seed: int | None, max_steps: int = 100, echo: Callable[[str], None] | None = None,
+    help_text: str | None = None,
 ) -> dict[str, Any]:
     """Play one episode.
 
@@ -68,7 +76,10 @@ def run_episode(
         policy: observation -> action text.
         seed: the episode's seed.
         max_steps: stop after this many steps even if the env has not ended the episode.
-        echo: called with a line of text for each observation, action and reward (None: silent).
+        echo: called with a line of text for each observation, action and reward (None: silent). The reward
+            line of the last step says why the episode ended (`info["outcome"]`, when the env gives one:
+            `reward: 0 (fell into a hole)`); then `terminated` or `truncated`.
+        help_text: echoed before the first observation and after each invalid action (`play_help`).
 
     Returns:
         {"return": sum of rewards, "steps": steps taken, "success": info["success"] of the last step (False
@@ -77,6 +88,8 @@ def run_episode(
     say = echo or (lambda line: None)
     observation, info = env.reset(seed)
     total, steps, invalid, success = 0.0, 0, 0, bool(info.get("success", False))
+    if help_text:
+        say(help_text)
     say(observation)
     for steps in range(1, max_steps + 1):  # noqa: B007  (steps is the count after the loop)
         action = policy(observation)
@@ -85,11 +98,19 @@ def run_episode(
         total += reward
         invalid += bool(info.get("invalid_action", False))
         success = bool(info.get("success", False))
+        ended = terminated or truncated
+        notes = ["invalid action"] if info.get("invalid_action") else []
+        if ended and info.get("outcome"):
+            notes.append(str(info["outcome"]))
         say(observation)
-        say(f"reward: {reward:g}" + (" (invalid action)" if info.get("invalid_action") else ""))
-        if terminated or truncated:
+        say(f"reward: {reward:g}" + (f" ({'; '.join(notes)})" if notes else ""))
+        if ended:
             say("terminated" if terminated else "truncated")
             break
+        if info.get("invalid_action") and help_text:
+            say(help_text)
+    else:
+        say(f"stopped after {max_steps} steps (--max-steps); the episode had not ended")
     return {"return": total, "steps": steps, "success": success, "invalid": invalid}
 
 
@@ -141,8 +162,10 @@ def play_main(args: argparse.Namespace) -> int:
     except (RollflowError, TypeError) as err:  # TypeError: an env keyword argument it does not take
         print(f"rollflow: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    # a person needs the legend and the moves; a scripted policy's output stays the episode alone
+    help_text = play_help(env) if args.policy == "human" else None
     try:
-        result = run_episode(env, policy, args.seed, args.max_steps, echo=print)
+        result = run_episode(env, policy, args.seed, args.max_steps, echo=print, help_text=help_text)
     except EOFError:
         print("\nend of input")
         return 0

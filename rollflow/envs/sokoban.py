@@ -148,7 +148,18 @@ class Sokoban:
     def _result(self, reward: float, invalid: bool) -> StepResult:
         observation = self.render()
         info = {"success": self.done, "invalid_action": invalid, "anchor": observation}
-        return observation, reward, self.done, not self.done and self.turns >= self.max_turns, info
+        truncated = not self.done and self.turns >= self.max_turns
+        if self.done or truncated:
+            info["outcome"] = "every box is on a target" if self.done else \
+                f"out of turns: all {self.max_turns} moves used"
+        return observation, reward, self.done, truncated, info
+
+    def play_help(self) -> str:
+        """The legend and the moves, for a person playing (`rollflow env play`)."""
+        return (f"legend: {WALL} wall, {FLOOR} floor, {TARGET} target, {BOX} box, {BOX_ON_TARGET} box on a target, "
+                f"{PLAYER} you, {PLAYER_ON_TARGET} you on a target\n"
+                f"moves: Left, Down, Right, Up (or L, D, R, U); walk into a box to push it; put every box on a "
+                f"target in {self.max_turns} moves")
 
     def render(self) -> str:
         """The room's rows joined by newlines (symbols in `INSTRUCTIONS`)."""

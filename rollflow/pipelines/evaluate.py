@@ -1,7 +1,10 @@
 """`rollflow eval`: greedy decoding of a model on an eval dataset, scored with the config's rewards.
 
 It starts its workers the way every pipeline does (`rollflow.workers.roles.running_roles`): the
-`actor_infer` role, and the `reward` role when a reward needs a model.
+`actor_infer` role, and the `reward` role when a reward needs a model. Each eval writes a directory of its
+own, `output.dir/name` (`rollflow eval` names it after the model: `rollflow.cli.eval_directory_name`),
+prepared as a training run's is (`prepare_run_dir`): an earlier eval there is moved aside to `NAME.1`, never
+appended to.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.tables import JSON_SUFFIXES, PARQUET_SUFFIXES
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.pipelines.phases import rollout_scheduler
+from rollflow.pipelines.phases import check_group_by, eval_group_metrics, rollout_scheduler
 from rollflow.pipelines.preflight import check_inputs
-from rollflow.pipelines.run_directory import check_run_dir_writable
+from rollflow.pipelines.run_directory import check_run_dir_writable, prepare_run_dir
 from rollflow.rollout.metrics import rollout_metrics
+from rollflow.trackers.durable_files import append_records
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.reward import model_rewards
 from rollflow.workers.roles import running_roles
@@ -27,7 +31,15 @@ from rollflow.workers.roles import running_roles
 @pinned_threads(1)
 def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     """Greedy accuracy and reward of `config.model` on `config.data.eval` (or every domain's `eval`, each also
-    as `eval/NAME/accuracy`); writes eval samples to the run dir."""
+    as `eval/NAME/accuracy`, and per `eval.group_by` value as `eval/C=V/accuracy`).
+
+    Writes `config.run_dir` once the samples are decoded: the resolved `config.yaml`, the metrics
+    as one `metrics.jsonl` record (step 0) and every decoded sample in `eval_samples.jsonl`. A directory
+    holding an earlier eval is moved aside first (`prepare_run_dir`), which is printed.
+
+    Raises:
+        ConfigError: no eval dataset, an unwritable output directory, an eval row without a `group_by` column.
+    """
     data = config.data
     if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
         raise ConfigError("no eval dataset: set data.eval, or a domain's eval (or pass --data FILE.jsonl)")
@@ -36,14 +48,20 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
     inputs = check_inputs(config, roles, train=False)
     tokenizer, prompts = inputs.tokenizer, inputs.eval_prompts
+    check_group_by(prompts, config.eval.group_by)
     print(describe_eval_set(data, prompts), flush=True)  # before the workers start: what the numbers will be of
     with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
         scheduler = rollout_scheduler(config, groups, tokenizer)
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
         samples = scheduler.generate(prompts, greedy).samples
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples))
-    return rollout_metrics(samples, prefix="eval")
+    # prepared once there is something to write: an eval that fails leaves an earlier one where it was
+    prepared = prepare_run_dir(config)
+    if prepared.note:  # an earlier eval moved aside (the note's `resume=true` advice is for training runs)
+        print(prepared.note.partition(" (resume=true")[0], flush=True)
+    write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples), columns=config.eval.group_by)
+    metrics = {**rollout_metrics(samples, prefix="eval"), **eval_group_metrics(samples, config.eval.group_by)}
+    append_records(config.run_dir / "metrics.jsonl", [{"step": 0, **metrics}])
+    return metrics
 
 
 def describe_eval_set(data: DataConfig, prompts: list[EncodedPrompt]) -> str:

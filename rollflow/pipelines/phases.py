@@ -1,10 +1,15 @@
 """Phases of a step that more than one pipeline runs, as functions of explicit arguments: weight sync from
-the trainer to the engines, and greedy evaluation through the rollout scheduler."""
+the trainer to the engines, and greedy evaluation through the rollout scheduler (its metrics, broken down by
+`eval.group_by` columns, and its samples written to `eval_samples.jsonl`)."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,12 +17,15 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RLVRConfig
 from rollflow.data.prompts import EncodedPrompt
+from rollflow.data.sample import Sample
 from rollflow.engines.base import SamplingParams
+from rollflow.errors import ConfigError
 from rollflow.rollout.filters import check_some_succeeded
-from rollflow.rollout.metrics import rollout_metrics
+from rollflow.rollout.metrics import is_correct, rollout_metrics
 from rollflow.rollout.scheduler import RolloutScheduler
 from rollflow.rollout.stream import RolloutStream, Sampler, StreamSettings
 from rollflow.spans import span
+from rollflow.trackers.samples import write_samples
 from rollflow.workers.reward import build_reward_fn
 from rollflow.workers.roles import forward_rows
 
@@ -108,12 +116,107 @@ def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_byt
 
 
 def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts: list[EncodedPrompt],
-             greedy: SamplingParams, step: int = 0) -> dict[str, float]:
-    """Greedy completions of the eval prompts, scored with the run's rewards: `eval/` metrics."""
+             greedy: SamplingParams, step: int = 0, group_by: Sequence[str] = (),
+             samples_path: Path | None = None) -> dict[str, float]:
+    """Greedy completions of the eval prompts, scored with the run's rewards: `eval/` metrics.
+
+    Args:
+        scheduler: the run's rollout scheduler (`rollout_scheduler`).
+        colocation: moves roles for the `rollout` phase.
+        prompts: the eval prompts (`CheckedInputs.eval_prompts`).
+        greedy: the eval's sampling (temperature 0).
+        step: the step the eval follows (0: before training); seeds the eval and keys its samples.
+        group_by: `eval.group_by`: columns whose values each get `eval/C=V/accuracy` and `eval/C=V/samples`.
+        samples_path: append every decoded sample here (`eval_samples.jsonl`), one record per prompt with
+            `step` and the `group_by` columns; None writes nothing.
+
+    Returns:
+        `rollout_metrics(..., prefix="eval")` and the `group_by` breakdown (`eval_group_metrics`).
+
+    Raises:
+        ConfigError: an eval row without a `group_by` column (`check_group_by`), before anything generates.
+    """
     if not prompts:
         return {}
+    check_group_by(prompts, group_by)
     colocation.enter("rollout")
     with span("eval"):
         samples = scheduler.generate(prompts, greedy, seed_key=("eval", step)).samples
+    if samples_path is not None:  # failed ones too, with their error: what to read when every sample failed
+        write_samples(samples_path, step, samples, len(samples), columns=group_by)
     check_some_succeeded(samples, f"eval at step {step}")
-    return rollout_metrics(samples, prefix="eval")
+    return {**rollout_metrics(samples, prefix="eval"), **eval_group_metrics(samples, group_by)}
+
+
+def check_group_by(prompts: Sequence[EncodedPrompt], group_by: Sequence[str]) -> None:
+    """Every eval row has every `eval.group_by` column (a null value is a group of its own, `C=null`).
+
+    Raises:
+        ConfigError: one line naming the first row without a column, and the columns it has.
+    """
+    for column in group_by:
+        for number, prompt in enumerate(prompts, start=1):
+            if column not in prompt.row:
+                domain = prompt.row.get("domain")
+                where = f"row {number} of the eval set" + (f" (domain {domain})" if domain is not None else "")
+                raise ConfigError(f"eval.group_by: {where} has no column {column!r}; its columns: "
+                                  f"{', '.join(sorted(prompt.row))}")
+
+
+def eval_group_metrics(samples: Sequence[Sample], group_by: Sequence[str],
+                       prefix: str = "eval") -> dict[str, float]:
+    """Greedy accuracy (`rollflow.rollout.metrics.is_correct`) and sample count per value of each column.
+
+    Args:
+        samples: the eval's samples (one per eval row).
+        group_by: the columns (`eval.group_by`).
+        prefix: the metrics' first part.
+
+    Returns:
+        `{prefix}/C=V/accuracy` and `{prefix}/C=V/samples` for each column C and each value V it takes
+        (`group_value` writes V).
+    """
+    metrics: dict[str, float] = {}
+    for column in group_by:
+        groups: dict[str, list[Sample]] = {}
+        for sample in samples:
+            groups.setdefault(group_value(sample.row.get(column)), []).append(sample)
+        for value in sorted(groups):
+            members = groups[value]
+            metrics[f"{prefix}/{column}={value}/samples"] = float(len(members))
+            metrics[f"{prefix}/{column}={value}/accuracy"] = statistics.fmean(is_correct(s) for s in members)
+    return metrics
+
+
+def group_value(value: Any) -> str:
+    """A column value as the `V` of a metric name `eval/C=V/accuracy`: its text, `/` written `_` (a metric
+    name's parts are split at `/`), `null` for None and `""` for the empty string."""
+    if value is None:
+        return "null"
+    text = str(value).replace("/", "_")
+    return text if text else '""'
+
+
+def eval_summary_lines(final: Mapping[str, float], steps: int) -> list[str]:
+    """The last lines of a run: eval accuracy at the start and after `steps`, overall and per `eval.group_by`
+    value (the `eval/C=V/accuracy` keys of `final`; `initial_` prefixes the first eval's). Empty without an
+    eval at both ends.
+
+    Args:
+        final: the run's final metrics, the first eval's under `initial_eval/...`.
+        steps: `train.steps`.
+    """
+    lines = []
+    for key in ["eval/accuracy", *sorted(k for k in final if _is_group_accuracy(k))]:
+        initial = final.get(f"initial_{key}")
+        if key not in final or initial is None:
+            continue
+        what = "" if key == "eval/accuracy" else f" {key.removeprefix('eval/').removesuffix('/accuracy')}"
+        lines.append(f"eval accuracy{what}: {initial:.3f} at start -> {final[key]:.3f} after {steps} steps")
+    return lines
+
+
+def _is_group_accuracy(key: str) -> bool:
+    """`eval/C=V/accuracy` (not a domain's `eval/D/accuracy`: a domain name has no `=`)."""
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "eval" and "=" in parts[1] and parts[2] == "accuracy"

@@ -18,6 +18,8 @@ from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.pipelines.interrupts import StopSignals
 from rollflow.pipelines.phases import (
+    check_group_by,
+    eval_summary_lines,
     evaluate,
     reference_logprobs,
     rollout_scheduler,
@@ -88,6 +90,7 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     with launch.cancelled_on_error():  # every prompt encoded and checked meanwhile; a bad one stops the start
         with span("check inputs"):
             inputs = check_inputs(config, roles)
+            check_group_by(inputs.eval_prompts, config.eval.group_by)
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(config)
@@ -118,9 +121,9 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                           + (f" ({regenerated} prompts drawn but not trained then are generated again)"
                              if regenerated else ""))
         else:
-            initial_eval = evaluate(scheduler, colocation, eval_prompts, greedy)
-            tracker.log(first_step, initial_eval)
-            tracker.print(f"initial eval accuracy {initial_eval.get('eval/accuracy', float('nan')):.3f}")
+            initial_eval = evaluate(scheduler, colocation, eval_prompts, greedy, 0, config.eval.group_by,
+                                    config.run_dir / "eval_samples.jsonl")
+            tracker.log(first_step, initial_eval)  # its line, `step 0/N  eval_acc ...`, is the initial eval's
 
         metrics: dict[str, float] = {}
         finished = driver_state(first_step, stream, advantages, initial_eval)  # the last step done in full
@@ -149,7 +152,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
                         stream.weights_updated()
                     metrics.update(colocation.pop_metrics())
                     if config.eval.every_steps and step % config.eval.every_steps == 0 or step == config.train.steps:
-                        metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy, step))
+                        metrics.update(evaluate(scheduler, colocation, eval_prompts, greedy, step,
+                                                config.eval.group_by, config.run_dir / "eval_samples.jsonl"))
                     metrics["time/step"] = time.perf_counter() - started
                     with span("log"):
                         tracker.log(step, metrics)
@@ -174,9 +178,8 @@ def run_rlvr(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
             stream.close()
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-        if "eval/accuracy" in final and "initial_eval/accuracy" in final:
-            tracker.print(f"eval accuracy: {final['initial_eval/accuracy']:.3f} at start -> "
-                          f"{final['eval/accuracy']:.3f} after {config.train.steps} steps")
+        for line in eval_summary_lines(final, config.train.steps):
+            tracker.print(line)
         tracker.close()
     # drawn once the workers stopped: drawing adds nothing to the run's peak memory
     plot_curves(config.run_dir)

@@ -23,7 +23,7 @@ from rollflow.errors import ConfigError, RollflowError
 from rollflow.trackers.durable_files import disk_full_as_error, truncate_records, write_atomically
 
 DRIVER_STATE = "driver_state.json"
-STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # JSONL with a `step` per record, cut back on resume
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # a `step` per record, cut back on resume
 
 
 class RunFinished(RollflowError):

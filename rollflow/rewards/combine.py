@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rollflow.rewards.pool import RewardPool
-from rollflow.rewards.registry import RewardLoadError, Row, ScoreError
+from rollflow.rewards.registry import RewardLoadError, Row, ScoreError, reward_key
 
 Outcome = tuple[float, dict[str, float]] | Exception  # one sample's (total, parts), or why it failed
 
@@ -305,8 +305,9 @@ def combine_rewards(rewards: Sequence[tuple[str, Any, float]], pool: RewardPool 
     """Build one function that computes every reward and their weighted total.
 
     Args:
-        rewards: `(name, fn, weight)` triples; `fn` is a plain reward function or a `GroupReward`. Names
-            must be unique and must not contain "/".
+        rewards: `(name, fn, weight)` triples; `fn` is a plain reward function or a `GroupReward`. A name
+            given as a file path (`rewards/score.py:score`) is logged by its file name (`score.py:score`,
+            `reward_key`); names must then be unique and must not contain "/".
         pool: run plain functions on this `RewardPool` (time limit per call, off the caller's thread);
             None: call them inline.
 
@@ -319,10 +320,12 @@ def combine_rewards(rewards: Sequence[tuple[str, Any, float]], pool: RewardPool 
     """
     if not rewards:
         raise RewardLoadError("combine_rewards needs at least one (name, fn, weight)")
+    rewards = [(reward_key(name), fn, weight) for name, fn, weight in rewards]
     names = [name for name, _, _ in rewards]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise RewardLoadError(f"reward names must be unique; repeated: {', '.join(duplicates)}")
+        raise RewardLoadError(f"reward names must be unique (a file path's reward is named by its file name "
+                              f"and function); repeated: {', '.join(duplicates)}")
     for name, fn, weight in rewards:
         if "/" in name:
             raise RewardLoadError(f"reward name {name!r} must not contain '/' (used for dict entries)")

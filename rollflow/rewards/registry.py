@@ -1,4 +1,4 @@
-"""The reward registry, dotted-path loading of user rewards, and the errors a reward can raise.
+"""The reward registry, loading user rewards by dotted path or file path, and the errors a reward can raise.
 
 The reward contract (see DESIGN.md): `fn(completion: str, **row) -> float | dict[str, float]`, where the
 row carries the prompt, the reference answer and any other dataset columns. Options (a time limit, a
@@ -7,16 +7,26 @@ penalty size) are keyword-only parameters with defaults; `resolve_reward(spec, o
 A reward that needs a model or a service (an LLM judge, a reward model) is registered as a `ModelReward`
 instead of a function: the name of a *scorer* class that scores a whole group in one call, built once in a
 reward worker (`rollflow.workers.reward`), and a dataclass of its options, checked on the driver.
+
+A user reward is named by dotted path, `my_pkg.rewards:score` (its module importable: on `sys.path` or in the
+working directory), or by file path, `rewards/score.py:score` (relative to the working directory, or
+absolute), which is loaded from that file whatever `sys.path` holds (`load_reward_file`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import importlib.util
 import inspect
 import os
+import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 from rollflow.errors import RollflowError
@@ -26,6 +36,7 @@ RewardFn = Callable[..., "float | dict[str, float]"]
 Row = dict[str, Any]
 
 REWARD_FUNCTIONS: Registry[Any] = Registry("reward function")  # RewardFn or ModelReward
+FILE_MODULE_PREFIX = "_rollflow_reward_file_"  # modules `load_reward_file` loads are named this + stem + hash
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,21 @@ class ModelReward:
         scorer: `"module:Class"` of a `GroupScorer`, imported in the worker (the driver never loads the model).
         options_type: a dataclass of the scorer's options; it checks their values when constructed.
         options: the bound options (an `options_type` instance), set by `resolve_reward`.
+        source: for a reward given by file path, (its spec with the file's absolute path, its options), set by
+            `resolve_reward`: pickling it (to a reward worker) sends these, and the worker resolves them again.
     """
 
     scorer: str
     options_type: type
     options: Any = None
+    source: tuple[str, dict] | None = dataclasses.field(default=None, compare=False)
+
+    def __reduce_ex__(self, protocol):
+        """A reward loaded from a file (`source`: its absolute spec and options) is resolved again where it is
+        unpickled (a reward worker): the module the driver loaded it as is not importable there."""
+        if self.source is not None:
+            return resolve_reward, self.source
+        return super().__reduce_ex__(protocol)
 
     def bind(self, options: Mapping[str, Any] | None, spec: str) -> ModelReward:
         """This reward with `options` checked and bound; raises `RewardLoadError` (one line) when bad."""
@@ -147,6 +168,87 @@ def required_columns(reward: Any) -> tuple[str, ...]:
     return tuple(getattr(reward, "required_columns", ()))
 
 
+def is_file_spec(spec: str) -> bool:
+    """A reward spec that names a Python file (`rewards/score.py:score`, `/abs/score.py:score`), not a module."""
+    return spec.rpartition(":")[0].endswith(".py") or spec.endswith(".py")
+
+
+def reward_key(spec: str) -> str:
+    """The name a reward's value is logged under (`rollout/reward/NAME`, the keys of `Sample.rewards`): the spec,
+    except that a file path keeps only its file name (`rewards/score.py:score` -> `score.py:score`), as a
+    metric name's parts are split at `/`."""
+    if not is_file_spec(spec):
+        return spec
+    path, _, attribute = spec.rpartition(":")
+    return f"{Path(path).name}:{attribute}"
+
+
+def load_reward_file(path: str, spec: str) -> ModuleType:
+    """The module of a Python file, loaded once per process (again it is the same module).
+
+    A relative path is read from the working directory. The module is named after the file's absolute path
+    (`FILE_MODULE_PREFIX` + stem + hash), so files of the same name in two directories stay two modules, and
+    the file's directory is appended to `sys.path`, so it may import the modules beside it.
+
+    Args:
+        path: the file (`rewards/score.py`, `~/score.py`, `/abs/score.py`).
+        spec: the reward spec, for messages.
+
+    Raises:
+        RewardLoadError: no such file, or it fails to run (a syntax error with its line, an exception at
+            import, said in one line).
+    """
+    file = Path(path).expanduser()
+    if not file.is_absolute():
+        file = Path.cwd() / file
+    file = file.resolve()
+    if not file.is_file():
+        where = "" if Path(path).expanduser().is_absolute() else f" (read from the working directory {os.getcwd()})"
+        raise RewardLoadError(f"reward {spec!r}: no file {str(file)!r}{where}")
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    name = FILE_MODULE_PREFIX + re.sub(r"\W", "_", file.stem) + "_" + digest
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    sys.modules[name] = module  # before running it, as an import does (dataclasses look their module up)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # anything raised while running the file is the user's file's problem
+        del sys.modules[name]
+        text = error.msg if isinstance(error, SyntaxError) and error.msg else str(error)
+        reason = f"{type(error).__name__}: {text}".splitlines()[0] if text.strip() else type(error).__name__
+        if isinstance(error, SyntaxError) and error.lineno is not None:
+            reason += f" (line {error.lineno})"
+        raise RewardLoadError(f"reward {spec!r}: cannot load {str(file)!r} ({reason})") from None
+    return module
+
+
+def _import_file(spec: str) -> Callable[..., Any]:
+    """The function `path/to/file.py:function` names (see `load_reward_file`)."""
+    path, _, attr_path = spec.rpartition(":")
+    if not path or not attr_path:
+        raise RewardLoadError(f"reward {spec!r} names a file but no function in it: write "
+                              f"'{spec.rpartition(':')[0] or spec}:FUNCTION'")
+    obj: Any = load_reward_file(path, spec)
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise RewardLoadError(f"reward {spec!r}: {path} has no function {attr_path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj) and not isinstance(obj, ModelReward):
+        raise RewardLoadError(f"reward {spec!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _absolute_file_spec(spec: str) -> str:
+    """`rewards/score.py:score` with the file's absolute path: what a worker in another directory loads."""
+    path, _, attribute = spec.rpartition(":")
+    file = Path(path).expanduser()
+    return f"{(file if file.is_absolute() else Path.cwd() / file).resolve()}:{attribute}"
+
+
 def _import_path(spec: str) -> Callable[..., Any]:
     """Import `pkg.module:attr` or `pkg.module.attr`; raise `RewardLoadError` with a one-line reason."""
     if ":" in spec:
@@ -198,8 +300,9 @@ def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> Rewar
     """Turn a reward spec from a config into a callable (or a `ModelReward` with its options bound).
 
     Args:
-        spec: a registered name (`"math_answer"`) or a dotted path to a function
-            (`"my_pkg.rewards:score"` or `"my_pkg.rewards.score"`).
+        spec: a registered name (`"math_answer"`), a dotted path to a function (`"my_pkg.rewards:score"` or
+            `"my_pkg.rewards.score"`), or a file path and function (`"rewards/score.py:score"`, relative to
+            the working directory, or absolute).
         options: keyword-only options to bind (e.g. `{"timeout_s": 2.0}`); each must be a keyword-only
             parameter of the function.
 
@@ -209,21 +312,27 @@ def resolve_reward(spec: str, options: Mapping[str, Any] | None = None) -> Rewar
         were checked here, on the driver; a reward worker runs it (`rollflow.workers.reward`).
 
     Raises:
-        RewardLoadError: the spec is neither a registered name nor an importable callable, or an option is
-            not accepted. The message is one line.
+        RewardLoadError: the spec is neither a registered name nor an importable callable (a missing module,
+            file or function), or an option is not accepted. The message is one line.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise RewardLoadError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
     if spec in REWARD_FUNCTIONS:
         fn = REWARD_FUNCTIONS.get(spec)
+    elif is_file_spec(spec):
+        fn = _import_file(spec)
     elif "." in spec or ":" in spec:
         fn = _import_path(spec)
     else:
         message = REWARD_FUNCTIONS.unknown_message(spec)
-        raise RewardLoadError(f"{message} (or give a dotted path 'pkg.module:function')")
+        raise RewardLoadError(f"{message} (or give a dotted path 'pkg.module:function' or a file "
+                              "'path/to/file.py:function')")
     if isinstance(fn, ModelReward):
-        return fn.bind(options, spec)
+        bound = fn.bind(options, spec)
+        if is_file_spec(spec):  # a reward worker loads the file again, by its absolute path
+            bound = dataclasses.replace(bound, source=(_absolute_file_spec(spec), dict(options or {})))
+        return bound
     if not options:
         return fn
     try:

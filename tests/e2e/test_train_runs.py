@@ -165,7 +165,7 @@ def test_eval_command_scores_a_model(tmp_path):
     accuracy = float(next(line for line in result.stdout.splitlines() if line.startswith("eval/accuracy:"))
                      .split(":")[1])
     assert 0.0 < accuracy < 1.0  # the bundled model gets some, not all, of the held-out sums right
-    assert len((tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()) == 20
+    assert len((tmp_path / "eval-tiny" / "eval_samples.jsonl").read_text().splitlines()) == 20
 
 
 def test_quickstart_learns(tmp_path):
