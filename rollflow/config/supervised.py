@@ -31,6 +31,15 @@ class SupervisedDataConfig(Strict):
         default=None,
         description="Held-out rows in the same form: the eval loss, and the greedy eval when "
                     "`eval.greedy_accuracy` is on; `null`: no eval.")
+    validation: DatasetConfig | None = Field(
+        default=None,
+        description="Validation rows in the same form, kept apart from `eval` (the test set): the `val/` metrics, "
+                    "which `train.best_checkpoint_metric` and `train.early_stopping_patience` choose by. Or carve "
+                    "them from `train` with `validation_fraction`.")
+    validation_fraction: float | None = Field(
+        default=None, gt=0, le=0.5,
+        description="Carve this share of the `train` rows (a seeded draw, the same for the same `seed`) into a "
+                    "validation split: those rows are never trained on. `null`: no carved split.")
     messages_key: str = Field(
         default="messages",
         description="The column of a chat row: a list of `{role, content}` turns. Loss is taken on the "
@@ -66,7 +75,14 @@ class SupervisedDataConfig(Strict):
     def _has_training_rows(self) -> SupervisedDataConfig:
         if self.train is None:
             raise ValueError("data.train is required: `{path: FILE}` or `{task: NAME}`")
+        if self.validation is not None and self.validation_fraction is not None:
+            raise ValueError("set data.validation (a dataset of its own) or data.validation_fraction (carved from "
+                             "data.train), not both")
         return self
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation is not None or self.validation_fraction is not None
 
 
 class PreferenceDataConfig(SupervisedDataConfig):
@@ -103,8 +119,19 @@ class SupervisedTrainConfig(Strict):
         description="A non-finite loss or gradient norm: `stop` the run, or `skip_step` (drop that update).")
     stop_at_accuracy: float | None = Field(
         default=None, gt=0, le=1,
-        description="End the run at the first greedy eval whose accuracy reaches this (and save it there); "
-                    "`null`: run all steps.")
+        description="End the run at the first greedy eval whose accuracy reaches this (and save it there): the "
+                    "validation accuracy when there is a validation split, else the `eval` accuracy; `null`: run "
+                    "all steps.")
+    best_checkpoint_metric: Literal["val/loss", "val/accuracy"] | None = Field(
+        default=None,
+        description="Keep the checkpoint of the best validation eval in `checkpoints/best/` (`val/loss`: the "
+                    "lowest; `val/accuracy`: the highest, needs `eval.greedy_accuracy`); at the end the run "
+                    "evaluates it on `data.eval` and says which step it is. Needs a validation split; never "
+                    "chosen on the test set. `null`: the last checkpoint is the result.")
+    early_stopping_patience: int | None = Field(
+        default=None, gt=0,
+        description="End the run after this many validation evals in a row without a new best "
+                    "`best_checkpoint_metric`; `null`: run all steps.")
 
     @property
     def optimizer_steps_per_step(self) -> int:
@@ -152,10 +179,22 @@ class SupervisedRunConfig(RunConfigBase):
         if rows % ranks:
             raise ValueError(f"each step trains on {rows} sequences, which the {ranks} data-parallel ranks "
                              "(roles.actor_train.num_workers) cannot split evenly; change train.batch_size")
-        if self.train.stop_at_accuracy is not None and not self.eval.greedy_accuracy:
+        train = self.train
+        if train.stop_at_accuracy is not None and not self.eval.greedy_accuracy:
             raise ValueError("train.stop_at_accuracy needs eval.greedy_accuracy: true (the accuracy it stops at)")
-        if self.eval.greedy_accuracy and self.data.eval is None:
-            raise ValueError("eval.greedy_accuracy needs data.eval (the rows to decode)")
+        if self.eval.greedy_accuracy and self.data.eval is None and not self.data.has_validation:
+            raise ValueError("eval.greedy_accuracy needs data.eval or a validation split (the rows to decode)")
+        if train.best_checkpoint_metric is not None and not self.data.has_validation:
+            raise ValueError(f"train.best_checkpoint_metric: {train.best_checkpoint_metric} needs a validation "
+                             "split: set data.validation_fraction (e.g. 0.1) or data.validation; a checkpoint "
+                             "chosen on data.eval would be chosen on the test set")
+        if train.best_checkpoint_metric == "val/accuracy" and not self.eval.greedy_accuracy:
+            raise ValueError("train.best_checkpoint_metric: val/accuracy needs eval.greedy_accuracy: true")
+        if train.early_stopping_patience is not None and train.best_checkpoint_metric is None:
+            raise ValueError("train.early_stopping_patience counts evals without a new best "
+                             "train.best_checkpoint_metric: set that too (val/loss or val/accuracy)")
+        if train.best_checkpoint_metric is not None and not self.eval.every_steps:
+            raise ValueError("train.best_checkpoint_metric chooses among periodic evals: set eval.every_steps > 0")
         return self
 
     @property

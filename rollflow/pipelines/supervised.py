@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,8 +40,10 @@ from rollflow.pipelines.run_directory import (
 from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
 from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
+from rollflow.trackers.durable_files import disk_full_as_error
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
+from rollflow.trackers.trackers import CONSOLE_COLUMNS
 from rollflow.workers.objectives import pair_logratios
 from rollflow.workers.roles import RoleLaunch, forward_rows
 
@@ -84,37 +89,42 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         config = with_resolved_steps(config, len(inputs.train))
+        warning = repetition_warning(config, len(inputs.train))
+        if warning:
+            print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(config)
     pad = inputs.tokenizer.pad_token_id
     launch = launch or RoleLaunch(config, roles, role_args, manage_ray)
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
             launch.running(worker_spans.take_from) as groups:
-        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
+        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at,
+                                 columns=CONSOLE_COLUMNS[config.pipeline])
         if prepared.note:
             tracker.print(prepared.note)
         tracker.print(groups.plan.describe())
-        tracker.print(f"{len(inputs.train)} training rows, {config.train.batch_size} a step, "
-                      f"{config.train.steps} steps")
+        tracker.print(describe_data(config, inputs))
         write_placement(config.run_dir / "placement.json", groups)
         colocation = ColocationManager(groups.plan, dict(groups), PHASES)
         scheduler = rollout_scheduler(config, groups, inputs.tokenizer) if "actor_infer" in groups else None
         batches = shuffled_batches(inputs.train, config.train.batch_size, config.seed, config.data.shuffle)
         first_step, initial_eval = 0, {}
+        best = BestCheckpoint(config)
         if prepared.resume_from:
             state = read_driver_state(prepared.resume_from)
             first_step, initial_eval = state["step"], state.get("initial_eval", {})
+            best.restore(state.get("best"))
             groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
             for _ in range(first_step):  # the data position: one batch per step
                 next(batches)
             tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
         else:
             initial_eval = evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, 0)
-            tracker.log(0, initial_eval)
-            tracker.print(describe_eval("initial eval", initial_eval))
+            tracker.log(0, initial_eval)  # the console's step-0 line shows it
+            best.update(0, initial_eval, groups)
 
         metrics: dict[str, float] = {}
-        finished = {"step": first_step, "initial_eval": initial_eval}
-        saved_step = first_step
+        finished = {"step": first_step, "initial_eval": initial_eval, "best": best.state()}
+        saved_step, stopped = first_step, ""
         try:
             for step in range(first_step + 1, config.train.steps + 1):
                 started, step_began = time.perf_counter(), time.time()
@@ -126,12 +136,15 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
                         metrics = groups["actor_train"].call("train", batch)
                     metrics.update(colocation.pop_metrics())
                     last = step == config.train.steps
+                    metrics["epoch"] = step * config.train.batch_size / len(inputs.train)
                     if last or config.eval.every_steps and step % config.eval.every_steps == 0:
                         metrics.update(evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, step))
-                        last = last or reached_target(config, metrics)
+                        stopped = best.update(step, metrics, groups)  # first: the best is kept either way
+                        stopped = reached_target(config, metrics) or stopped
+                        last = last or bool(stopped)
                     metrics["time/step"] = time.perf_counter() - started
                     tracker.log(step, metrics)
-                    finished = {"step": step, "initial_eval": initial_eval}
+                    finished = {"step": step, "initial_eval": initial_eval, "best": best.state()}
                     if last or config.output.save_every_steps and step % config.output.save_every_steps == 0:
                         with span("checkpoint"):
                             save_checkpoint(config.run_dir, groups, finished)
@@ -150,7 +163,13 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
             raise
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-        tracker.print(describe_eval(f"after {finished['step']} steps", metrics))
+        if stopped:
+            tracker.print(f"stopped after step {finished['step']} of {config.train.steps}: {stopped}")
+        tracker.print(describe_eval(f"after {finished['step']} steps", metrics)
+                      + f"; checkpoint {config.run_dir / 'checkpoints' / f'step_{saved_step}' / 'model'}")
+        if best.step is not None:
+            final.update(best.evaluate(config, groups, colocation, scheduler, inputs, pad, finished["step"], metrics))
+            tracker.print(best.describe(final))
         tracker.close()
     # drawn once the workers stopped: drawing adds nothing to the run's peak memory
     # DPO's `loss` is a surrogate with the right gradient (`objectives.PreferenceLoss`): plot the real one
@@ -214,18 +233,30 @@ def response_column_mask(samples: list[Sample], batch: Batch) -> torch.Tensor:
 
 def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationManager, scheduler,
                         inputs, pad_token_id: int, step: int) -> dict[str, float]:
-    """`eval/` metrics on the eval rows: the loss (SFT, distillation: the NLL of the responses; DPO: the
-    preference metrics against the reference), and with `eval.greedy_accuracy` the greedy decode scored by
-    `reward` (the engines get the trainer's weights first)."""
-    if not inputs.eval:
+    """`eval/` metrics on the eval rows (the test set) and `val/` metrics on the validation split, each
+    `evaluate_rows`."""
+    metrics = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts, pad_token_id,
+                            step, config.run_dir / "eval_samples.jsonl")
+    found = evaluate_rows(config, groups, colocation, scheduler, inputs.validation, inputs.validation_prompts,
+                          pad_token_id, step)
+    metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.items()
+                    if key.startswith("eval/")})
+    return metrics
+
+
+def evaluate_rows(config, groups: WorkerGroups, colocation: ColocationManager, scheduler, items: list[Item],
+                  prompts, pad_token_id: int, step: int, samples_path: Path | None = None) -> dict[str, float]:
+    """`eval/` metrics on `items`: the loss (SFT, distillation: the NLL of the responses; DPO: the preference
+    metrics against the reference), and with `eval.greedy_accuracy` the greedy decode of `prompts` scored by
+    `reward` (the engines get the trainer's weights first; the decoded samples appended to `samples_path`)."""
+    if not items:
         return {}
     metrics: dict[str, float] = {}
     actor = groups["actor_train"]
     if config.pipeline == "dpo":
         chosen, rejected = [], []
-        for start in range(0, len(inputs.eval), EVAL_BATCH_ROWS // 2):
-            batch = collate([s for pair in inputs.eval[start: start + EVAL_BATCH_ROWS // 2] for s in pair],
-                            pad_token_id)
+        for start in range(0, len(items), EVAL_BATCH_ROWS // 2):
+            batch = collate([s for pair in items[start: start + EVAL_BATCH_ROWS // 2] for s in pair], pad_token_id)
             reference = reference_logprobs(batch, groups, colocation, config.roles.reference.backend, "train")
             colocation.enter("train")
             policy = actor.call("compute_logprobs", batch)
@@ -238,26 +269,136 @@ def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationMana
     else:
         colocation.enter("train")
         total, tokens = 0.0, 0.0
-        for start in range(0, len(inputs.eval), EVAL_BATCH_ROWS):
-            batch = collate(inputs.eval[start: start + EVAL_BATCH_ROWS], pad_token_id)
+        for start in range(0, len(items), EVAL_BATCH_ROWS):
+            batch = collate(items[start: start + EVAL_BATCH_ROWS], pad_token_id)
             logprobs = actor.call("compute_logprobs", batch)  # [b, T]
             total -= float((logprobs * batch.response_mask).sum())
             tokens += float(batch.response_mask.sum())
         metrics["eval/loss"] = total / max(tokens, 1.0)
-    if scheduler is not None:
+    if scheduler is not None and prompts:
         bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
         metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
         greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
-        metrics.update(evaluate(scheduler, colocation, inputs.eval_prompts, greedy, step))
+        metrics.update(evaluate(scheduler, colocation, prompts, greedy, step, samples_path=samples_path))
     return metrics
 
 
-def reached_target(config, metrics: dict[str, float]) -> bool:
+def reached_target(config, metrics: dict[str, float]) -> str:
+    """Why `train.stop_at_accuracy` ends the run here (the validation accuracy when there is a validation
+    split, else the eval accuracy), or "" to go on."""
     target = config.train.stop_at_accuracy
-    return target is not None and metrics.get("eval/accuracy", -math.inf) >= target
+    key = "val/accuracy" if config.data.has_validation else "eval/accuracy"
+    if target is None or metrics.get(key, -math.inf) < target:
+        return ""
+    return f"{key} {metrics[key]:.4g} reached train.stop_at_accuracy {target:g}"
+
+
+EXPOSURE_WARNING_EPOCHS = 20  # passes over the rows past which a small model is known to memorise them
+
+
+def repetition_warning(config, num_rows: int) -> str | None:
+    """A warning when the run trains on each row more than `EXPOSURE_WARNING_EPOCHS` times: a small dataset
+    under a recipe written for a large one (docs/sft.md's 600 steps of 128 rows are 6.5 passes over its word
+    problems, and 135 over 570 rows, which SFT then memorises: held-out loss rising, RL left all-correct
+    groups). None too when the run ends itself on an eval (`stop_at_accuracy`, `early_stopping_patience`): its
+    step count is then a bound, not a plan."""
+    train = config.train
+    passes = train.steps * train.batch_size / num_rows
+    if passes <= EXPOSURE_WARNING_EPOCHS or train.stop_at_accuracy is not None or train.early_stopping_patience:
+        return None
+    hint = ("" if config.data.has_validation else
+            "; carve a validation split (data.validation_fraction: 0.1) and keep the best checkpoint on it "
+            "(train.best_checkpoint_metric), ")
+    return (f"train.steps={config.train.steps} x train.batch_size={config.train.batch_size} trains on each of "
+            f"the {num_rows} training rows {passes:.0f} times (more than {EXPOSURE_WARNING_EPOCHS}): a model "
+            f"memorises so few rows{hint or '; '}see docs/sft.md#a-few-hundred-rows")
+
+
+def describe_data(config, inputs) -> str:
+    """The run's data line: rows, batch, steps, epochs, and the validation split."""
+    rows, train = len(inputs.train), config.train
+    line = (f"{rows} training rows, {train.batch_size} a step, {train.steps} steps "
+            f"({train.steps * train.batch_size / rows:.3g} epochs)")
+    if inputs.validation:
+        where = ("carved from data.train" if config.data.validation_fraction is not None else "data.validation")
+        line += f"; {len(inputs.validation)} validation rows ({where})"
+    return line
 
 
 def describe_eval(what: str, metrics: dict[str, float]) -> str:
-    shown = [f"{key.removeprefix('eval/')} {metrics[key]:.4g}" for key in
-             ("eval/loss", "eval/dpo/reward_accuracy", "eval/accuracy") if key in metrics]
+    """`what: train loss L, val loss V, val accuracy A, eval loss E, eval accuracy B` for what `metrics` has
+    (`eval` is data.eval, the test set; `val` the validation split)."""
+    names = {"loss": "train loss", "dpo/loss": "train dpo loss"}
+    for split in ("val", "eval"):
+        names.update({f"{split}/loss": f"{split} loss", f"{split}/dpo/reward_accuracy": f"{split} reward accuracy",
+                      f"{split}/accuracy": f"{split} accuracy"})
+    shown = [f"{label} {metrics[key]:.4g}" for key, label in names.items() if key in metrics]
     return f"{what}: {', '.join(shown)}" if shown else f"{what}: no eval data"
+
+
+class BestCheckpoint:
+    """`train.best_checkpoint_metric` and `train.early_stopping_patience`: the best validation eval so far, its
+    checkpoint in `checkpoints/best/` (the model in `best/model`, its step in `best/best.json`), and how many
+    evals have passed without a new best."""
+
+    def __init__(self, config):
+        self.metric = config.train.best_checkpoint_metric
+        self.patience = config.train.early_stopping_patience
+        self.path = config.run_dir / "checkpoints" / "best"
+        self.step: int | None = None
+        self.value = math.nan
+        self.since = 0
+
+    def state(self) -> dict | None:
+        """What a checkpoint's driver state keeps of it, so a resumed run goes on choosing."""
+        return None if self.step is None else {"step": self.step, "value": self.value, "since": self.since}
+
+    def restore(self, state: dict | None) -> None:
+        if state:
+            self.step, self.value, self.since = state["step"], state["value"], state["since"]
+
+    def update(self, step: int, metrics: dict[str, float], groups: WorkerGroups) -> str:
+        """Keep the trainer's weights when `metrics` holds a new best (saved over the old best). Returns why the
+        run should stop (`early_stopping_patience` evals without one), or ""."""
+        if self.metric is None or self.metric not in metrics:
+            return ""
+        value = metrics[self.metric]
+        if self.step is None or (value < self.value if self.metric == "val/loss" else value > self.value):
+            self._save(step, value, groups)
+            return ""
+        self.since += 1
+        if self.patience is not None and self.since >= self.patience:
+            return (f"{self.metric} has not improved on {self.value:.4g} (step {self.step}) for {self.since} "
+                    "evals (train.early_stopping_patience)")
+        return ""
+
+    def _save(self, step: int, value: float, groups: WorkerGroups) -> None:
+        partial = self.path.with_name("best.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with span("checkpoint"), disk_full_as_error(partial):
+            partial.mkdir(parents=True)
+            groups["actor_train"].call("save", str(partial / "model"))
+            (partial / "best.json").write_text(json.dumps({"step": step, "metric": self.metric, "value": value}))
+            shutil.rmtree(self.path, ignore_errors=True)
+            partial.rename(self.path)
+        self.step, self.value, self.since = step, value, 0
+
+    def evaluate(self, config, groups: WorkerGroups, colocation: ColocationManager, scheduler, inputs,
+                 pad_token_id: int, last_step: int, last_metrics: dict[str, float]) -> dict[str, float]:
+        """The best checkpoint's `eval/` metrics (the test set), as `best/eval/...` with `best/step`: unless it is
+        the last step's (`last_metrics`), its weights are loaded into the trainer for it (the run has ended, so
+        nothing trains on them)."""
+        found = last_metrics
+        if self.step != last_step:
+            colocation.enter("train")
+            groups["actor_train"].call("load", str(self.path / "model"), last_step + 1)
+            found = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts,
+                                  pad_token_id, last_step + 1)
+        return {"best/step": self.step, f"best/{self.metric}": self.value,
+                **{f"best/{key}": value for key, value in found.items() if key.startswith("eval/")}}
+
+    def describe(self, final: dict[str, float]) -> str:
+        shown = describe_eval("", {key.removeprefix("best/"): value for key, value in final.items()
+                                   if key.startswith("best/eval/")}).removeprefix(": ")
+        return (f"best checkpoint: step {self.step} ({self.metric} {self.value:.4g}): {shown}; "
+                f"{self.path / 'model'}")

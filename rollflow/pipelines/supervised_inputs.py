@@ -12,8 +12,9 @@ warning a dataset; and for the greedy eval, the eval rows' prompts and the colum
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollflow.data.prompts import EncodedPrompt, PromptEncoder, Row, load_dataset
@@ -44,6 +45,8 @@ class SupervisedInputs:
         train, eval: every row encoded: a `Sample`, or for DPO a (chosen, rejected) pair.
         eval_prompts: the eval rows' prompts for the greedy eval (empty unless `eval.greedy_accuracy`).
         warnings: resource warnings to print.
+        validation, validation_prompts: the same for the validation split (`data.validation`, or the rows
+            `data.validation_fraction` carved from train, which `train` then lacks); empty without one.
     """
 
     tokenizer: Any
@@ -51,6 +54,8 @@ class SupervisedInputs:
     eval: list[Item]
     eval_prompts: list[EncodedPrompt]
     warnings: list[str]
+    validation: list[Item] = field(default_factory=list)
+    validation_prompts: list[EncodedPrompt] = field(default_factory=list)
 
 
 def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
@@ -74,35 +79,62 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
     context = context_length(load_model_config(model.path, model.trust_remote_code))
     encoder = ConversationEncoder(tokenizer, data.messages_key, data.prompt_key, data.response_key,
                                   data.apply_chat_template, min(data.max_tokens, context or data.max_tokens))
-    encoded: dict[str, list[Item]] = {"train": [], "eval": []}
-    eval_rows: list[Row] = []
+    found: dict[str, EncodedDataset] = {}
     warnings: list[str] = []
-    dropped = 0
-    for key, dataset in (("data.train", data.train), ("data.eval", data.eval)):
+    for key, dataset in (("data.train", data.train), ("data.validation", data.validation),
+                         ("data.eval", data.eval)):
         if dataset is None:
             continue
         rows = load_dataset(dataset, data.prompt_key, data.answer_key, required=())
-        found = encode_dataset(encoder, rows, dataset_source(key, dataset), config)
-        encoded[key.removeprefix("data.")] = found.items
-        warnings += [found.warning] if found.warning else []
-        if key == "data.eval":
-            eval_rows = found.rows
-        else:
-            dropped = found.dropped
-    eval_prompts: list[EncodedPrompt] = []
-    if config.eval.greedy_accuracy:
-        source = dataset_source("data.eval", data.eval)
-        prompt_rows = [greedy_prompt_row(row, data) for row in eval_rows]
-        check_reward_columns(prompt_rows, source, reward_columns(config), data.answer_key)
-        prompts = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_tokens)
-        eval_prompts = encode_prompts(prompts, prompt_rows, source, max_new_tokens=config.eval.max_new_tokens,
-                                      context_length=context, max_new_tokens_key="eval.max_new_tokens")
-    if len(encoded["train"]) < config.train.batch_size:
-        left = f" left after dropping {dropped} degenerate rows" if dropped else ""
-        raise DataError(f"{dataset_source('data.train', data.train)} has {len(encoded['train'])} rows{left}, fewer "
-                        f"than train.batch_size={config.train.batch_size}; lower the batch size or add rows")
-    return SupervisedInputs(tokenizer, encoded["train"], encoded["eval"], eval_prompts,
-                            warnings + resource_warnings(config, roles))
+        found[key] = encode_dataset(encoder, rows, dataset_source(key, dataset), config)
+        warnings += [found[key].warning] if found[key].warning else []
+    if data.validation_fraction is not None:
+        found["data.train"], found["data.validation"] = carve_validation(found["data.train"], data.validation_fraction,
+                                                                         config.seed, data.train)
+    prompts = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_tokens)
+    greedy = {key: greedy_prompts(prompts, found[key], dataset_source(key, getattr(data, key[5:]) or data.train),
+                                  config, context)
+              for key in ("data.eval", "data.validation") if config.eval.greedy_accuracy and key in found}
+    train = found["data.train"]
+    if len(train.items) < config.train.batch_size:
+        left = f" left after dropping {train.dropped} degenerate rows" if train.dropped else ""
+        carved = " and carving the validation split" if data.validation_fraction is not None else ""
+        raise DataError(f"{dataset_source('data.train', data.train)} has {len(train.items)} rows{left}{carved}, "
+                        f"fewer than train.batch_size={config.train.batch_size}; lower the batch size or add rows")
+    empty = EncodedDataset([], [], 0, None)
+    return SupervisedInputs(tokenizer, train.items, found.get("data.eval", empty).items, greedy.get("data.eval", []),
+                            warnings + resource_warnings(config, roles),
+                            found.get("data.validation", empty).items, greedy.get("data.validation", []))
+
+
+def carve_validation(train: EncodedDataset, fraction: float, seed: int,
+                     source) -> tuple[EncodedDataset, EncodedDataset]:
+    """`data.validation_fraction`: a seeded draw of round(fraction × rows) rows (at least 1) out of `train`, kept
+    apart as the validation split; both keep the file's order.
+
+    Raises:
+        DataError: too few rows to leave any for training.
+    """
+    count = max(1, round(fraction * len(train.items)))
+    if count >= len(train.items):
+        raise DataError(f"{dataset_source('data.train', source)} has {len(train.items)} rows: too few to carve "
+                        f"data.validation_fraction={fraction} from and still train")
+    chosen = set(random.Random(seed).sample(range(len(train.items)), count))
+    parts = {True: EncodedDataset([], [], 0, None), False: EncodedDataset([], [], train.dropped, None)}
+    for index, (item, row) in enumerate(zip(train.items, train.rows, strict=True)):
+        parts[index in chosen].items.append(item)
+        parts[index in chosen].rows.append(row)
+    return parts[False], parts[True]
+
+
+def greedy_prompts(encoder: PromptEncoder, dataset: EncodedDataset, source: str, config,
+                   context: int | None) -> list[EncodedPrompt]:
+    """The greedy eval's prompts of one dataset's rows, with the columns the rewards need checked."""
+    data = config.data
+    prompt_rows = [greedy_prompt_row(row, data) for row in dataset.rows]
+    check_reward_columns(prompt_rows, source, reward_columns(config), data.answer_key)
+    return encode_prompts(encoder, prompt_rows, source, max_new_tokens=config.eval.max_new_tokens,
+                          context_length=context, max_new_tokens_key="eval.max_new_tokens")
 
 
 class DegenerateRowError(DataError):

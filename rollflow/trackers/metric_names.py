@@ -78,6 +78,10 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("step", "step",
                    "The step the record belongs to: 0 is the eval before any training (a resumed run has "
                    "no step 0 of its own), then 1 .. `train.steps`."),
+            Metric("time/unix", SECONDS,
+                   "When the record was written (the end of the step): seconds since 1970-01-01 UTC, to the "
+                   "millisecond. Only in `metrics.jsonl`: TensorBoard and W&B stamp each point themselves. "
+                   "Differs run to run, like every `time/` metric."),
         ),
     ),
     MetricGroup(
@@ -102,7 +106,8 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             *_stats("rollout", _SAMPLE_STATS, "the step's training samples"),
             Metric("rollout/reward/<function>", REWARD,
                    "Mean unweighted score of reward function `<function>` (as named in "
-                   "`reward.functions`), over the samples of the domains that use it."),
+                   "`reward.functions`; one given by file path by its file name, `score.py:score` for "
+                   "`rewards/score.py:score`), over the samples of the domains that use it."),
             Metric("rollout/reward/<function>/<entry>", "as the entry",
                    "An extra entry of a reward function that returns a dict (e.g. "
                    "`llm_judge/parse_failed`), logged only, unweighted."),
@@ -207,6 +212,11 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("eval/<domain>/accuracy", FRACTION, "`eval/accuracy` over domain `<domain>`'s prompts."),
             Metric("eval/<domain>/reward_mean", REWARD,
                    "Mean reward over domain `<domain>`'s held-out prompts."),
+            Metric("eval/<column>=<value>/samples", COUNT,
+                   "Held-out prompts whose dataset column `<column>` (one of `eval.group_by`) holds `<value>` "
+                   "(`null` for a null, a `/` in the value written `_`)."),
+            Metric("eval/<column>=<value>/accuracy", FRACTION,
+                   "`eval/accuracy` over the held-out prompts whose column `<column>` holds `<value>`."),
             *_stats("eval", _EPISODE_STATS, "the held-out episodes"),
             Metric("eval/episodes_failed", COUNT, "Held-out episodes that failed (env error, time limit)."),
             Metric("eval/loss", NATS,
@@ -221,6 +231,31 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("eval/dpo/reward_accuracy", FRACTION,
                    "DPO: fraction of eval pairs whose chosen response has the strictly larger implicit "
                    "reward."),
+        ),
+    ),
+    MetricGroup(
+        "Validation and the best checkpoint",
+        "SFT, DPO and distillation with a validation split (`data.validation` or `data.validation_fraction`): "
+        "the eval metrics on it, at the same steps as `eval/`. `train.best_checkpoint_metric` chooses on them, "
+        "never on `eval/` (the test set). The `best/` keys are not logged per step: the run returns them and "
+        "prints them in its last line.",
+        (
+            Metric("val/loss", NATS, "`eval/loss` on the validation rows."),
+            *_stats("val", _SAMPLE_STATS, "the validation samples (one greedy sample per validation row, with "
+                                          "`eval.greedy_accuracy`)"),
+            Metric("val/reward/<function>", REWARD,
+                   "Mean unweighted score of reward function `<function>` on the validation rows."),
+            Metric("val/dpo/rewards_chosen", NATS, "`eval/dpo/rewards_chosen` on the validation pairs."),
+            Metric("val/dpo/rewards_rejected", NATS, "`eval/dpo/rewards_rejected` on the validation pairs."),
+            Metric("val/dpo/reward_margin", NATS, "`eval/dpo/reward_margin` on the validation pairs."),
+            Metric("val/dpo/reward_accuracy", FRACTION, "`eval/dpo/reward_accuracy` on the validation pairs."),
+            Metric("epoch", "epochs", "Passes over the training rows so far: step x `train.batch_size` / rows."),
+            Metric("best/step", "step", "The step of the best validation eval (`checkpoints/best/`)."),
+            Metric("best/<metric>", "as the metric",
+                   "`train.best_checkpoint_metric`'s value at that step (`best/val/loss` or `best/val/accuracy`)."),
+            Metric("best/eval/<metric>", "as the metric",
+                   "An `eval/` metric (the test set) of the best checkpoint, e.g. `best/eval/accuracy`; evaluated "
+                   "after the last step, the best weights loaded back, when the best is not the last step."),
         ),
     ),
     MetricGroup(

@@ -78,6 +78,25 @@ def test_sft_learns_and_resumes_exactly(sft_run, student):
     assert [row["step"] for row in _metrics(run_dir)] == list(range(31))  # every step once
 
 
+def test_a_small_dataset_keeps_its_best_validation_checkpoint(tmp_path, student, ray_session):
+    """80 rows, a fifth carved for validation, a learning rate that overfits them: the checkpoint kept is the
+    step of the lowest validation loss, and its weights, loaded back, give the eval loss logged at that step."""
+    final = _run(tmp_path, "small", "pipeline=sft", f"model.path={student}", "data.train={task: add2, limit: 80}",
+                 "data.response_key=answer", "data.eval={task: add2, split: eval, limit: 50}",
+                 "data.validation_fraction=0.2", "train.batch_size=16", "train.train_micro_batch_size=16",
+                 "train.lr=3e-2", "train.steps=60", "eval.every_steps=5", "train.best_checkpoint_metric=val/loss",
+                 "train.early_stopping_patience=3")
+    evals = [row for row in _metrics(tmp_path / "small") if "val/loss" in row]
+    best = min(evals, key=lambda row: row["val/loss"])  # the first of equal ones
+    saved = json.loads((tmp_path / "small" / "checkpoints" / "best" / "best.json").read_text())
+    assert saved["step"] == best["step"] == final["best/step"]
+    assert math.isclose(final["best/eval/loss"], best["eval/loss"], rel_tol=1e-5)  # the best weights, reloaded
+    last = evals[-1]["step"]
+    if last < 60:  # stopped early: the last three evals found no new best
+        assert [row["step"] for row in evals[-3:]] == [last - 10, last - 5, last] and best["step"] < last - 10
+    assert final["initial_val/loss"] > best["val/loss"]
+
+
 @pytest.fixture(scope="module")
 def fsdp2_run(sft_run, student) -> Path:
     """The first 3 steps of `sft_run` on 2 FSDP2 ranks (16 rows each, the same 32-row global batch)."""
