@@ -163,7 +163,7 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
             raise
 
         final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-        if stopped:
+        if stopped and finished["step"] < config.train.steps:
             tracker.print(f"stopped after step {finished['step']} of {config.train.steps}: {stopped}")
         tracker.print(describe_eval(f"after {finished['step']} steps", metrics)
                       + f"; checkpoint {config.run_dir / 'checkpoints' / f'step_{saved_step}' / 'model'}")
