@@ -3,13 +3,16 @@
 It runs the two steps a user would (`rollflow new-model`, then `rollflow sft examples/sft_tiny.yaml`) in a
 temporary directory and exports the model the run stopped at: the HF model files and the tokenizer, without
 the optimizer state, plus `rollflow_build.json` (the recipe, the step it stopped at, its eval, the versions).
-The recipe trains on one thread, so a rebuild with the same torch and transformers versions is bit-identical:
-`rollflow/assets/tiny-qwen2-add` is exactly what this command writes.
+The recipe trains on one thread, so a rebuild is byte-identical where the floating-point arithmetic is the same
+(CPU kind, torch, transformers, rollflow's training kernels): `rollflow/assets/tiny-qwen2-add` is what this
+command wrote on 2026-12-02. Elsewhere the run crosses the accuracy threshold at another step and exports
+another model; the command ends by saying which it is (`same_as_bundled`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import tempfile
@@ -27,6 +30,7 @@ from rollflow.pipelines.supervised import run_supervised
 
 TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2-add"
 BUILD_INFO_FILE = "rollflow_build.json"
+WEIGHTS_FILE = "model.safetensors"
 CHECKPOINT_ONLY = ("trainer_state.pt", "rollflow_checkpoint.json")  # what a checkpoint adds to a model
 
 
@@ -69,4 +73,20 @@ def build(args: argparse.Namespace, manage_ray: bool = True) -> int:
     print(f"saved to {args.out}: {num_params:,} parameters, {steps} SFT steps, greedy accuracy "
           f"{final.get('eval/accuracy', float('nan')):.3f} on {int(final.get('eval/samples', 0))} held-out rows, "
           f"in {time.perf_counter() - started:.0f} s")
+    print(same_as_bundled(args.out))
     return 0
+
+
+def same_as_bundled(built: Path) -> str:
+    """Whether `built` holds byte for byte the bundled model's weights, said in one line."""
+    bundled_info = json.loads((TINY_MODEL_DIR / BUILD_INFO_FILE).read_text())
+    if file_digest(built / WEIGHTS_FILE) == file_digest(TINY_MODEL_DIR / WEIGHTS_FILE):
+        return "the weights are byte for byte the bundled model's (rollflow/assets/tiny-qwen2-add)"
+    return (f"the weights differ from the bundled model's (step {bundled_info['steps']}, accuracy "
+            f"{bundled_info['eval']['accuracy']:.3f}): this machine's float arithmetic (CPU kind, torch, "
+            "transformers or rollflow's training kernels) differs from the build's, so the run crossed the "
+            "threshold elsewhere (docs/tiny_model.md)")
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -318,7 +318,7 @@ def describe_data(config, inputs) -> str:
     """The run's data line: rows, batch, steps, epochs, and the validation split."""
     rows, train = len(inputs.train), config.train
     line = (f"{rows} training rows, {train.batch_size} a step, {train.steps} steps "
-            f"({train.steps * train.batch_size / rows:.3g} epochs)")
+            f"(each row about {train.steps * train.batch_size / rows:.3g} times)")
     if inputs.validation:
         where = ("carved from data.train" if config.data.validation_fraction is not None else "data.validation")
         line += f"; {len(inputs.validation)} validation rows ({where})"

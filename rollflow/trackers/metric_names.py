@@ -249,7 +249,8 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("val/dpo/rewards_rejected", NATS, "`eval/dpo/rewards_rejected` on the validation pairs."),
             Metric("val/dpo/reward_margin", NATS, "`eval/dpo/reward_margin` on the validation pairs."),
             Metric("val/dpo/reward_accuracy", FRACTION, "`eval/dpo/reward_accuracy` on the validation pairs."),
-            Metric("epoch", "epochs", "Passes over the training rows so far: step x `train.batch_size` / rows."),
+            Metric("epoch", "epochs", "Passes over the training rows so far: step x `train.batch_size` / rows (how "
+                   "many times each row was trained on, on average)."),
             Metric("best/step", "step", "The step of the best validation eval (`checkpoints/best/`)."),
             Metric("best/<metric>", "as the metric",
                    "`train.best_checkpoint_metric`'s value at that step (`best/val/loss` or `best/val/accuracy`)."),

@@ -81,3 +81,16 @@ def test_left_padding_does_not_change_greedy_completions(bundled_engine):
     batched = greedy_completions(engine, tokenizer, prompts)
     one_by_one = [greedy_completions(engine, tokenizer, [p])[0] for p in prompts]
     assert batched == one_by_one  # positions come from the attention mask, as for an unpadded prompt
+
+
+def test_a_rebuild_says_whether_it_is_the_bundled_model(tmp_path):
+    import shutil
+
+    shutil.copy(build_tiny_model.TINY_MODEL_DIR / "model.safetensors", tmp_path / "model.safetensors")
+    assert "byte for byte the bundled model's" in build_tiny_model.same_as_bundled(tmp_path)
+    with open(tmp_path / "model.safetensors", "r+b") as weights:  # one byte of the last weight changed
+        weights.seek(-1, 2)
+        last = weights.read(1)
+        weights.seek(-1, 2)
+        weights.write(bytes([last[0] ^ 1]))
+    assert "differ from the bundled model's (step 250, accuracy 0.354)" in build_tiny_model.same_as_bundled(tmp_path)
