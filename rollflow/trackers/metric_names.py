@@ -252,8 +252,9 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("epoch", "epochs", "Passes over the training rows so far: step x `train.batch_size` / rows (how "
                    "many times each row was trained on, on average)."),
             Metric("best/step", "step", "The step of the best validation eval (`checkpoints/best/`)."),
-            Metric("best/<metric>", "as the metric",
-                   "`train.best_checkpoint_metric`'s value at that step (`best/val/loss` or `best/val/accuracy`)."),
+            Metric("best/val/loss", NATS, "`val/loss` at that step, with `train.best_checkpoint_metric: val/loss`."),
+            Metric("best/val/accuracy", FRACTION,
+                   "`val/accuracy` at that step, with `train.best_checkpoint_metric: val/accuracy`."),
             Metric("best/eval/<metric>", "as the metric",
                    "An `eval/` metric (the test set) of the best checkpoint, e.g. `best/eval/accuracy`; evaluated "
                    "after the last step, the best weights loaded back, when the best is not the last step."),
