@@ -232,14 +232,7 @@ def _import_file(spec: str) -> Callable[..., Any]:
     if not path or not attr_path:
         raise RewardLoadError(f"reward {spec!r} names a file but no function in it: write "
                               f"'{spec.rpartition(':')[0] or spec}:FUNCTION'")
-    obj: Any = load_reward_file(path, spec)
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise RewardLoadError(f"reward {spec!r}: {path} has no function {attr_path!r}")
-        obj = getattr(obj, part)
-    if not callable(obj) and not isinstance(obj, ModelReward):
-        raise RewardLoadError(f"reward {spec!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return _reward_attribute(load_reward_file(path, spec), attr_path, spec, f"{path} has no function")
 
 
 def _absolute_file_spec(spec: str) -> str:
@@ -264,9 +257,15 @@ def _import_path(spec: str) -> Callable[..., Any]:
         if isinstance(error, ModuleNotFoundError) and error.name == module_name.split(".")[0]:
             reason += f"; looked on sys.path and in the working directory {os.getcwd()}"
         raise RewardLoadError(f"reward {spec!r}: cannot import module {module_name!r} ({reason})") from error
+    return _reward_attribute(obj, attr_path, spec, f"module {module_name!r} has no attribute")
+
+
+def _reward_attribute(obj: Any, attr_path: str, spec: str, missing: str) -> Callable[..., Any]:
+    """`obj.attr.path`, which must be a callable or a `ModelReward`; `RewardLoadError` (`missing` + the path)
+    when an attribute is not there."""
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise RewardLoadError(f"reward {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
+            raise RewardLoadError(f"reward {spec!r}: {missing} {attr_path!r}")
         obj = getattr(obj, part)
     if not callable(obj) and not isinstance(obj, ModelReward):
         raise RewardLoadError(f"reward {spec!r} is a {type(obj).__name__}, not a callable")
