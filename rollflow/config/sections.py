@@ -290,14 +290,19 @@ class EvalConfig(Strict):
     @field_validator("group_by")
     @classmethod
     def _plain_columns(cls, columns: list[str]) -> list[str]:
-        """A column name becomes part of a metric name (`eval/C=V/accuracy`): no `/` or `=`, each once."""
-        for column in columns:
-            if not column.strip() or "/" in column or "=" in column:
-                raise ValueError(f"column {column!r} must be a non-empty name without '/' or '='")
-        repeated = sorted({column for column in columns if columns.count(column) > 1})
-        if repeated:
-            raise ValueError(f"each column may appear once; repeated: {', '.join(repeated)}")
-        return columns
+        return plain_group_by_columns(columns)
+
+
+def plain_group_by_columns(columns: list[str]) -> list[str]:
+    """`eval.group_by`: a column name becomes part of a metric name (`eval/C=V/accuracy`): no `/` or `=`, each
+    once."""
+    for column in columns:
+        if not column.strip() or "/" in column or "=" in column:
+            raise ValueError(f"column {column!r} must be a non-empty name without '/' or '='")
+    repeated = sorted({column for column in columns if columns.count(column) > 1})
+    if repeated:
+        raise ValueError(f"each column may appear once; repeated: {', '.join(repeated)}")
+    return columns
 
 
 class RoleConfig(Strict):

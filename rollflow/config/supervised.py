@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.algorithms import check_hyperparams
 from rollflow.algorithms.distillation import DIVERGENCES
 from rollflow.algorithms.preference import PREFERENCE_LOSSES
 from rollflow.config.rlvr import RewardConfig, RewardFunctionConfig
-from rollflow.config.sections import DatasetConfig, RunConfigBase, Strict
+from rollflow.config.sections import DatasetConfig, RunConfigBase, Strict, plain_group_by_columns
 
 
 class SupervisedDataConfig(Strict):
@@ -157,6 +157,16 @@ class SupervisedEvalConfig(Strict):
         description="Also decode the eval rows' prompts greedily on an `actor_infer` engine and score them with "
                     "`reward` (`eval/accuracy`); starts the engine role.")
     max_new_tokens: int = Field(default=32, gt=0, description="Response length limit of the greedy eval.")
+    group_by: list[str] = Field(
+        default=[],
+        description="With `eval.greedy_accuracy`: `data.eval` columns to break the greedy accuracy down by, "
+                    "`eval/C=V/accuracy` and `eval/C=V/samples` per value V of column C, printed in the run's "
+                    "last lines (as RLVR's `eval.group_by`). Every eval row must have each column.")
+
+    @field_validator("group_by")
+    @classmethod
+    def _plain_columns(cls, columns: list[str]) -> list[str]:
+        return plain_group_by_columns(columns)
 
 
 class SupervisedRunConfig(RunConfigBase):
@@ -193,6 +203,8 @@ class SupervisedRunConfig(RunConfigBase):
         if train.early_stopping_patience is not None and train.best_checkpoint_metric is None:
             raise ValueError("train.early_stopping_patience counts evals without a new best "
                              "train.best_checkpoint_metric: set that too (val/loss or val/accuracy)")
+        if self.eval.group_by and not self.eval.greedy_accuracy:
+            raise ValueError("eval.group_by breaks down the greedy accuracy: it needs eval.greedy_accuracy: true")
         if train.best_checkpoint_metric is not None and not self.eval.every_steps:
             raise ValueError("train.best_checkpoint_metric chooses among periodic evals: set eval.every_steps > 0")
         return self

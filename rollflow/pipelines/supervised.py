@@ -16,6 +16,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +30,14 @@ from rollflow.data.sample import Batch, Sample, collate
 from rollflow.data.supervised import shuffled_batches
 from rollflow.engines.base import SamplingParams
 from rollflow.pipelines.interrupts import StopSignals
-from rollflow.pipelines.phases import evaluate, reference_logprobs, rollout_scheduler, sync_weights
+from rollflow.pipelines.phases import (
+    check_group_by,
+    eval_summary_lines,
+    evaluate,
+    reference_logprobs,
+    rollout_scheduler,
+    sync_weights,
+)
 from rollflow.pipelines.run_directory import (
     prepare_run_dir,
     read_driver_state,
@@ -86,6 +94,7 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
     with launch.cancelled_on_error() if launch else contextlib.nullcontext():
         with span("check inputs"):
             inputs = check_supervised_inputs(config, roles)
+            check_group_by(inputs.eval_prompts, config.eval.group_by)
         for warning in inputs.warnings:
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         config = with_resolved_steps(config, len(inputs.train))
@@ -167,6 +176,8 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
             tracker.print(f"stopped after step {finished['step']} of {config.train.steps}: {stopped}")
         tracker.print(describe_eval(f"after {finished['step']} steps", metrics)
                       + f"; checkpoint {config.run_dir / 'checkpoints' / f'step_{saved_step}' / 'model'}")
+        for line in eval_summary_lines(final, finished["step"]):
+            tracker.print(line)
         if best.step is not None:
             final.update(best.evaluate(config, groups, colocation, scheduler, inputs, pad, finished["step"], metrics))
             tracker.print(best.describe(final))
@@ -236,7 +247,7 @@ def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationMana
     """`eval/` metrics on the eval rows (the test set) and `val/` metrics on the validation split, each
     `evaluate_rows`."""
     metrics = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts, pad_token_id,
-                            step, config.run_dir / "eval_samples.jsonl")
+                            step, config.run_dir / "eval_samples.jsonl", config.eval.group_by)
     found = evaluate_rows(config, groups, colocation, scheduler, inputs.validation, inputs.validation_prompts,
                           pad_token_id, step)
     metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.items()
@@ -245,10 +256,12 @@ def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationMana
 
 
 def evaluate_rows(config, groups: WorkerGroups, colocation: ColocationManager, scheduler, items: list[Item],
-                  prompts, pad_token_id: int, step: int, samples_path: Path | None = None) -> dict[str, float]:
+                  prompts, pad_token_id: int, step: int, samples_path: Path | None = None,
+                  group_by: Sequence[str] = ()) -> dict[str, float]:
     """`eval/` metrics on `items`: the loss (SFT, distillation: the NLL of the responses; DPO: the preference
     metrics against the reference), and with `eval.greedy_accuracy` the greedy decode of `prompts` scored by
-    `reward` (the engines get the trainer's weights first; the decoded samples appended to `samples_path`)."""
+    `reward` (the engines get the trainer's weights first; the decoded samples appended to `samples_path`; the
+    accuracy broken down by the `group_by` columns)."""
     if not items:
         return {}
     metrics: dict[str, float] = {}
@@ -279,7 +292,7 @@ def evaluate_rows(config, groups: WorkerGroups, colocation: ColocationManager, s
         bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
         metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
         greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
-        metrics.update(evaluate(scheduler, colocation, prompts, greedy, step, samples_path=samples_path))
+        metrics.update(evaluate(scheduler, colocation, prompts, greedy, step, group_by, samples_path))
     return metrics
 
 
@@ -393,7 +406,7 @@ class BestCheckpoint:
             colocation.enter("train")
             groups["actor_train"].call("load", str(self.path / "model"), last_step + 1)
             found = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts,
-                                  pad_token_id, last_step + 1)
+                                  pad_token_id, last_step + 1, group_by=config.eval.group_by)
         return {"best/step": self.step, f"best/{self.metric}": self.value,
                 **{f"best/{key}": value for key, value in found.items() if key.startswith("eval/")}}
 

@@ -30,6 +30,8 @@ def _config(*overrides: str):
      "eval.every_steps > 0"),
     (["data.validation_fraction=0.9"], "less than or equal to 0.5"),
     (["train.best_checkpoint_metric=eval/accuracy", "data.validation_fraction=0.1"], "val/loss"),
+    (["eval.group_by=[difficulty]"], "needs eval.greedy_accuracy: true"),
+    (["eval.group_by=[a/b]", "eval.greedy_accuracy=true", "data.eval={task: add2, split: eval}"], "without '/'"),
 ])
 def test_choosing_on_anything_but_a_validation_split_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
