@@ -7,9 +7,7 @@ carries a `description`: `rollflow.config.reference` renders them into docs/conf
 
 from __future__ import annotations
 
-import math
 import re
-import unicodedata
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
@@ -19,12 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from rollflow.backends import BACKENDS, check_backend_kwargs
 from rollflow.backends.base import SETTINGS_FIELDS
 from rollflow.backends.lora import LoraConfig
+from rollflow.config.values import (
+    MAX_NAME_LENGTH,
+    control_characters,
+    is_default,
+    name_problem,
+    non_finite,
+    plain_group_by_columns,
+)
 from rollflow.engines import ENGINES
 from rollflow.errors import RollflowError
 
 BUNDLED_MODEL = "tiny"  # `model.path: tiny` loads the model shipped in rollflow/assets/
 SEED_LIMIT = 2**64  # torch's generators take a seed in [0, 2**64); a larger one overflows inside a worker
-MAX_NAME_LENGTH = 100
 # A domain's name becomes part of metric names (`reward/NAME`, `rollout/NAME/samples`, `eval/NAME/accuracy`).
 DOMAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 RESERVED_DOMAIN_NAMES = ("mean", "std", "reward")  # taken: `reward/mean`, `reward/std`, `rollout/reward/NAME`
@@ -189,7 +194,7 @@ class DataConfig(Strict):
             return data
         defaults = {key: cls.model_fields[key].default for key in ("train", "eval")}
         also_set = [key for key, default in defaults.items()
-                    if data.get(key) is not None and not _is_default(default, data[key])]
+                    if data.get(key) is not None and not is_default(default, data[key])]
         if also_set:
             raise ValueError(f"set either `domains` or `train` / `eval`, not both ({' and '.join(also_set)} "
                              "set too); each domain has its own `train` and `eval` under data.domains")
@@ -291,18 +296,6 @@ class EvalConfig(Strict):
     @classmethod
     def _plain_columns(cls, columns: list[str]) -> list[str]:
         return plain_group_by_columns(columns)
-
-
-def plain_group_by_columns(columns: list[str]) -> list[str]:
-    """`eval.group_by`: a column name becomes part of a metric name (`eval/C=V/accuracy`): no `/` or `=`, each
-    once."""
-    for column in columns:
-        if not column.strip() or "/" in column or "=" in column:
-            raise ValueError(f"column {column!r} must be a non-empty name without '/' or '='")
-    repeated = sorted({column for column in columns if columns.count(column) > 1})
-    if repeated:
-        raise ValueError(f"each column may appear once; repeated: {', '.join(repeated)}")
-    return columns
 
 
 class RoleConfig(Strict):
@@ -528,7 +521,7 @@ class OutputConfig(Strict):
     def _printable_dir(cls, path: str) -> str:
         if not path:
             raise ValueError("must not be empty (`.` is the current directory)")
-        control = _control_characters(path)
+        control = control_characters(path)
         if control:
             raise ValueError(f"must not contain control characters ({control})")
         return path
@@ -613,7 +606,7 @@ class RunConfigBase(Strict):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str) -> str:
-        problem = _name_problem(name)
+        problem = name_problem(name)
         if problem:
             raise ValueError(problem)
         return name
@@ -631,7 +624,7 @@ class RunConfigBase(Strict):
     @classmethod
     def _finite_numbers(cls, tree: Any) -> Any:
         """NaN or inf anywhere in the tree, pass-through dicts (`*_kwargs`) included, is an error."""
-        where = _non_finite(tree, ())
+        where = non_finite(tree, ())
         if where is not None:
             path, value = where
             raise ValueError(f"{'.'.join(path)} is {value}: every number in the config must be finite")
@@ -664,53 +657,3 @@ class RunConfigBase(Strict):
     def actor_optimizer_steps(self) -> int:
         """The optimizer steps the actor takes in the run, which its learning-rate schedule spans."""
         return self.train.steps * self.train.optimizer_steps_per_step
-
-
-def _control_characters(text: str) -> str:
-    """The control characters of `text` (NUL, newline, tab, escape, ...) as escapes, e.g. `'\\x00'`;
-    empty when it has none."""
-    found = dict.fromkeys(c for c in text if unicodedata.category(c) == "Cc")
-    return ", ".join(repr(c) for c in found)
-
-
-def _is_default(default: BaseModel | None, value: Any) -> bool:
-    """`value` (raw config, or a section) validates to `default`."""
-    if isinstance(value, BaseModel):
-        return value == default
-    try:
-        return type(default).model_validate(value) == default
-    except ValueError:  # pydantic's ValidationError: not the default, whatever it is
-        return False
-
-
-def _name_problem(name: str) -> str | None:
-    """Why `name` cannot be a run name (a single directory below output.dir), or None."""
-    control = _control_characters(name)
-    if control:
-        return f"must not contain control characters ({control})"
-    if not name.strip():
-        return "must not be empty"
-    if len(name) > MAX_NAME_LENGTH:
-        return f"has {len(name)} characters, more than {MAX_NAME_LENGTH}"
-    if "/" in name or "\\" in name:
-        return "must not contain '/' or '\\': it names one directory under output.dir (set that for the parent)"
-    if name in (".", ".."):
-        return f"must not be {name!r}"
-    return None
-
-
-def _non_finite(node: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float] | None:
-    """(path, value) of the first NaN or infinite float in a raw config tree, or None."""
-    if isinstance(node, float) and not math.isfinite(node):
-        return path, node
-    if isinstance(node, dict):
-        items = ((str(key), value) for key, value in node.items())
-    elif isinstance(node, (list, tuple)):
-        items = ((str(index), value) for index, value in enumerate(node))
-    else:
-        return None
-    for key, value in items:
-        found = _non_finite(value, (*path, key))
-        if found is not None:
-            return found
-    return None

@@ -16,7 +16,8 @@ from rollflow.algorithms import check_hyperparams
 from rollflow.algorithms.distillation import DIVERGENCES
 from rollflow.algorithms.preference import PREFERENCE_LOSSES
 from rollflow.config.rlvr import RewardConfig, RewardFunctionConfig
-from rollflow.config.sections import DatasetConfig, RunConfigBase, Strict, plain_group_by_columns
+from rollflow.config.sections import DatasetConfig, RunConfigBase, Strict
+from rollflow.config.values import plain_group_by_columns
 
 
 class SupervisedDataConfig(Strict):
