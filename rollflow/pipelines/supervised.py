@@ -16,8 +16,6 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -243,28 +241,37 @@ def response_column_mask(samples: list[Sample], batch: Batch) -> torch.Tensor:
 
 
 def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationManager, scheduler,
-                        inputs, pad_token_id: int, step: int) -> dict[str, float]:
-    """`eval/` metrics on the eval rows (the test set) and `val/` metrics on the validation split, each
-    `evaluate_rows`."""
-    metrics = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts, pad_token_id,
-                            step, config.run_dir / "eval_samples.jsonl", config.eval.group_by)
-    found = evaluate_rows(config, groups, colocation, scheduler, inputs.validation, inputs.validation_prompts,
-                          pad_token_id, step)
-    metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.items()
-                    if key.startswith("eval/")})
+                        inputs, pad_token_id: int, step: int, validation: bool = True,
+                        keep_samples: bool = True) -> dict[str, float]:
+    """`eval/` metrics on the eval rows (the test set) and, with `validation`, `val/` metrics on the validation
+    split: the loss (`row_losses`), and with `eval.greedy_accuracy` the greedy decode scored by `reward`. The
+    engines get the trainer's weights once, after both losses; the eval's accuracy is broken down by
+    `eval.group_by`, and its decoded samples go to `eval_samples.jsonl` (with `keep_samples`)."""
+    splits = {"eval": (inputs.eval, inputs.eval_prompts)}
+    if validation:
+        splits["val"] = (inputs.validation, inputs.validation_prompts)
+    found = {name: row_losses(config, groups, colocation, items, pad_token_id) for name, (items, _) in splits.items()}
+    metrics: dict[str, float] = {}
+    if scheduler is not None and any(prompts for _, prompts in splits.values()):
+        bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
+        metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
+        greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
+        for name, (_, prompts) in splits.items():
+            if prompts:
+                samples_path = config.run_dir / "eval_samples.jsonl" if keep_samples else None
+                extra = (config.eval.group_by, samples_path) if name == "eval" else ()
+                found[name].update(evaluate(scheduler, colocation, prompts, greedy, step, *extra))
+    metrics.update(found["eval"])
+    metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.get("val", {}).items()})
     return metrics
 
 
-def evaluate_rows(config, groups: WorkerGroups, colocation: ColocationManager, scheduler, items: list[Item],
-                  prompts, pad_token_id: int, step: int, samples_path: Path | None = None,
-                  group_by: Sequence[str] = ()) -> dict[str, float]:
-    """`eval/` metrics on `items`: the loss (SFT, distillation: the NLL of the responses; DPO: the preference
-    metrics against the reference), and with `eval.greedy_accuracy` the greedy decode of `prompts` scored by
-    `reward` (the engines get the trainer's weights first; the decoded samples appended to `samples_path`; the
-    accuracy broken down by the `group_by` columns)."""
+def row_losses(config, groups: WorkerGroups, colocation: ColocationManager, items: list[Item],
+               pad_token_id: int) -> dict[str, float]:
+    """`eval/` loss metrics of `items`: SFT and distillation, the NLL of the responses per token; DPO, the
+    preference metrics against the reference. Empty without items."""
     if not items:
         return {}
-    metrics: dict[str, float] = {}
     actor = groups["actor_train"]
     if config.pipeline == "dpo":
         chosen, rejected = [], []
@@ -278,22 +285,15 @@ def evaluate_rows(config, groups: WorkerGroups, colocation: ColocationManager, s
             chosen.append(pair[0])
             rejected.append(pair[1])
         found = preference_metrics(torch.cat(chosen), torch.cat(rejected), config.dpo.beta)
-        metrics.update({f"eval/{key}": value for key, value in found.items()})
-    else:
-        colocation.enter("train")
-        total, tokens = 0.0, 0.0
-        for start in range(0, len(items), EVAL_BATCH_ROWS):
-            batch = collate(items[start: start + EVAL_BATCH_ROWS], pad_token_id)
-            logprobs = actor.call("compute_logprobs", batch)  # [b, T]
-            total -= float((logprobs * batch.response_mask).sum())
-            tokens += float(batch.response_mask.sum())
-        metrics["eval/loss"] = total / max(tokens, 1.0)
-    if scheduler is not None and prompts:
-        bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
-        metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
-        greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
-        metrics.update(evaluate(scheduler, colocation, prompts, greedy, step, group_by, samples_path))
-    return metrics
+        return {f"eval/{key}": value for key, value in found.items()}
+    colocation.enter("train")
+    total, tokens = 0.0, 0.0
+    for start in range(0, len(items), EVAL_BATCH_ROWS):
+        batch = collate(items[start: start + EVAL_BATCH_ROWS], pad_token_id)
+        logprobs = actor.call("compute_logprobs", batch)  # [b, T]
+        total -= float((logprobs * batch.response_mask).sum())
+        tokens += float(batch.response_mask.sum())
+    return {"eval/loss": total / max(tokens, 1.0)}
 
 
 def reached_target(config, metrics: dict[str, float]) -> str:
@@ -405,8 +405,8 @@ class BestCheckpoint:
         if self.step != last_step:
             colocation.enter("train")
             groups["actor_train"].call("load", str(self.path / "model"), last_step + 1)
-            found = evaluate_rows(config, groups, colocation, scheduler, inputs.eval, inputs.eval_prompts,
-                                  pad_token_id, last_step + 1, group_by=config.eval.group_by)
+            found = evaluate_supervised(config, groups, colocation, scheduler, inputs, pad_token_id, last_step + 1,
+                                        validation=False, keep_samples=False)
         return {"best/step": self.step, f"best/{self.metric}": self.value,
                 **{f"best/{key}": value for key, value in found.items() if key.startswith("eval/")}}
 
