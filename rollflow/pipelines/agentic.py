@@ -41,6 +41,7 @@ from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
 from rollflow.trackers.samples import write_samples
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
+from rollflow.trackers.trackers import CONSOLE_COLUMNS
 from rollflow.workers.roles import RoleLaunch
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -88,7 +89,8 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
 
     with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
             launch.running(worker_spans.take_from) as groups:
-        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at)
+        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at,
+                                 columns=CONSOLE_COLUMNS[config.pipeline])
         if prepared.note:
             tracker.print(prepared.note)
         tracker.print(groups.plan.describe())
@@ -110,8 +112,7 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
                 tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
             else:
                 initial_eval = evaluate(envs, colocation, eval_seeds, greedy, "eval at step 0", errors)
-                tracker.log(0, initial_eval)
-                tracker.print(f"initial eval success {initial_eval.get('eval/success', float('nan')):.3f}")
+                tracker.log(0, initial_eval)  # its line, `step 0/N  eval_success ...`, is the initial eval's
             metrics: dict[str, float] = {}
             for step in range(first_step + 1, config.train.steps + 1):
                 started, step_began = time.perf_counter(), time.time()
