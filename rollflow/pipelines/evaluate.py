@@ -16,6 +16,7 @@ from rollflow.cluster.runtime import pinned_threads
 from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.tables import JSON_SUFFIXES, PARQUET_SUFFIXES
+from rollflow.engines import check_engine_installed
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.pipelines.phases import check_group_by, eval_group_metrics, rollout_scheduler
@@ -43,6 +44,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     data = config.data
     if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
         raise ConfigError("no eval dataset: set data.eval, or a domain's eval (or pass --data FILE.jsonl)")
+    check_engine_installed(config.roles.actor_infer.engine)
     check_run_dir_writable(config)  # where the samples go, before anything starts
     rewards = model_rewards(config.reward)
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]

@@ -19,6 +19,7 @@ import yaml
 
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RunConfigBase, dump_config
+from rollflow.engines import check_engine_installed
 from rollflow.errors import ConfigError, RollflowError
 from rollflow.trackers.durable_files import disk_full_as_error, truncate_records, write_atomically
 
@@ -53,10 +54,14 @@ def resume_point(config: RunConfigBase) -> tuple[Path | None, int | None]:
     fresh run. Changes nothing: a pipeline asks it first, before Ray and its workers start, so a resume with
     nothing to resume, or a run directory that cannot be written (`check_run_dir_writable`), starts nothing.
 
+    Also refuses an inference engine whose package is not installed (`check_engine_installed`), in one line.
+
     Raises:
-        ConfigError: `resume: true` without a complete checkpoint; a run directory that cannot be written.
+        ConfigError: `resume: true` without a complete checkpoint; a run directory that cannot be written; the
+            engine's package missing.
         RunFinished: `resume: true` with the newest checkpoint at or past `train.steps` (nothing to do).
     """
+    check_engine_installed(config.roles.actor_infer.engine)
     if not config.resume:
         check_run_dir_writable(config)
         return None, None

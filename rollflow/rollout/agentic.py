@@ -361,7 +361,8 @@ class EnvRollout:
                 output = completion.outputs[0]
                 text = encoder.decode(output.token_ids)
                 turn = Turn(prompt, list(output.token_ids), list(output.logprobs), list(output.policy_versions),
-                            text, str(info.get("anchor", observation)))
+                            text, str(info.get("anchor", observation)),
+                            prefix_reused_tokens=int(completion.metadata.get("prefix_reused_tokens", 0)))
                 episode.add_turn(turn)
                 reply = await self._env_call(env_worker.step.remote(slot, text), env_index, "step")
                 if "error" in reply:
@@ -468,6 +469,8 @@ def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/invalid_action_frac": sum(t.invalid for t in turns) / max(len(turns), 1),
         f"{prefix}/truncated_frac": sum(e.status == SampleStatus.TRUNCATED for e in usable) / count,
         f"{prefix}/env_seconds_per_turn": sum(e.env_seconds for e in usable) / max(len(turns), 1),
+        f"{prefix}/prefix_reused_frac": (sum(t.prefix_reused_tokens for t in turns)
+                                         / max(sum(len(t.prompt_ids) for t in turns), 1)),
     }
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 

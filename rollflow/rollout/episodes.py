@@ -29,6 +29,7 @@ class Turn:
     anchor: str  # the state the action was taken in (GiGPO's anchor state)
     reward: float = 0.0
     invalid: bool = False
+    prefix_reused_tokens: int = 0  # prompt tokens the engine's prefix cache already held
 
 
 @dataclass(eq=False)

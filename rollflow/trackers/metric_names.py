@@ -63,6 +63,8 @@ _EPISODE_STATS = (
     ("truncated_frac", FRACTION, "Fraction of {what} cut short: by the env, at `env.max_turns` or at the "
                                  "context length."),
     ("env_seconds_per_turn", SECONDS, "Env time (reset and steps) per model turn of {what}."),
+    ("prefix_reused_frac", FRACTION, "Share of the prompt tokens of the model turns of {what} that the engine's "
+                                     "prefix cache already held (vllm; hf with `prefix_cache_tokens`)."),
 )
 
 

@@ -40,33 +40,12 @@ ENGINE_SETTINGS = {
     "hf": ({"dtype": "float32"}, 1e-4, 0.0, 40),
     "vllm": ({"dtype": "bfloat16", "gpu_memory_utilization": 0.25, "enforce_eager": True},
              5e-2, 0.05, 200),
-    "vllm-cpu": ({"dtype": "float32"}, 1e-4, 0.05, 200),
+    "vllm-cpu": ({}, 1e-4, 0.05, 200),  # the session's engine, float32
     "sglang": ({"dtype": "bfloat16", "mem_fraction_static": 0.25, "disable_cuda_graph": True},
                5e-2, 0.05, 200),
 }
 ENGINE_NAMES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
                 pytest.param("sglang", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(scope="module")
-def contract_model_dir(tmp_path_factory) -> str:
-    """A random Qwen2 (head dim 32, 256 positions, decisive logits) with the char tokenizer."""
-    from transformers import Qwen2ForCausalLM
-
-    from rollflow.data.char_tokenizer import build_ascii_tokenizer
-    from rollflow.fresh_model import fresh_qwen2_config
-
-    path = tmp_path_factory.mktemp("contract_model")
-    tokenizer = build_ascii_tokenizer()
-    # initializer_range 0.2 (not 0.02) spreads the logits, so greedy argmaxes are never near-ties that
-    # bf16 GPU kernels could flip.
-    config = fresh_qwen2_config(tokenizer, hidden_size=64, intermediate_size=128, num_layers=2,
-                               num_heads=2, num_kv_heads=1, max_positions=256,
-                               initializer_range=0.2)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=ENGINE_NAMES)
@@ -80,6 +59,9 @@ def case(request, contract_model_dir):
         pytest.importorskip(name)
     setting = "vllm-cpu" if name == "vllm" and not torch.cuda.is_available() else name
     kwargs, tolerance, delay, abort_tokens = ENGINE_SETTINGS[setting]
+    if setting == "vllm-cpu":  # the session's engine (tests/engines/conftest.py): vLLM starts slowly
+        yield EngineCase(name, request.getfixturevalue("vllm_cpu_engine"), tolerance, delay, abort_tokens)
+        return
     engine = create_engine(name, model_path=contract_model_dir, seed=0, **kwargs)
     yield EngineCase(name, engine, tolerance, delay, abort_tokens)
     engine.close()
