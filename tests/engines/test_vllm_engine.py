@@ -125,7 +125,7 @@ def test_tokens_without_logprobs_are_an_error():
 
 def test_cpu_settings_run_eager_with_an_explicit_kv_cache_and_refuse_sleep_mode():
     cpu = engine_settings({}, on_cpu=True)
-    assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES and cpu["block_size"] == 32
     assert "enable_sleep_mode" not in cpu and cpu["logprobs_mode"] == "processed_logprobs"
     # a RAM share the user chose replaces the default KV size; the user's keys win
     assert "kv_cache_memory_bytes" not in engine_settings({"gpu_memory_utilization": 0.1}, on_cpu=True)
