@@ -1,7 +1,7 @@
 """The `vllm` engine through the real pipelines (vLLM's CPU build here), in the shared Ray session: an
-asynchronous run with partial rollout (`continue`, then resumed with `resubmit`), a colocated run with two
-engine workers behind the router and tail batching (over-provisioned groups aborted, a long round), a
-multi-turn agentic run on vLLM's prefix cache, and a start-up refusal as one line.
+asynchronous run with partial rollout (`continue`, then resumed with `resubmit`), examples/quickstart_vllm.yaml
+colocated with two engine workers behind the router and tail batching (over-provisioned groups aborted, a
+long round), a multi-turn agentic run on vLLM's prefix cache, and a start-up refusal as one line.
 
 Each run starts vLLM engines (~50 s each on 2 cores), so the runs are few and each checks several things.
 """
@@ -50,9 +50,9 @@ def test_async_partial_rollout_continues_then_resumes_resubmitting(ray_session, 
 
 
 def test_colocated_engines_behind_the_router_abort_over_provisioned_groups(ray_session, tmp_path):
-    config = load_config("examples/quickstart.yaml", [
+    config = load_config("examples/quickstart_vllm.yaml", [
         *VLLM, *SMALL, "name=colocated", f"output.dir={tmp_path}", "train.steps=3",
-        "roles.actor_infer.hybrid=false", "roles.actor_infer.num_workers=2", "roles.actor_infer.device_mapping=[0,1]",
+        "roles.actor_infer.num_workers=2", "roles.actor_infer.device_mapping=[0,1]",
         "roles.actor_train.device_mapping=[0,1]", "rollout.overprovision=1.5", "rollout.long_round_every=3",
         "rollout.deterministic=false"])
     run_rlvr(config, manage_ray=False)

@@ -10,7 +10,7 @@ from rollflow.backends.torch_backend import TorchBackend
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
 from rollflow.engines.base import SEED_MODULUS, GenerationRequest, SamplingParams, sample_seed
-from rollflow.engines.hf import HFEngine
+from rollflow.engines.hf import HFEngine, cache_keyword
 from rollflow.errors import EngineError
 from rollflow.registry import UnknownNameError
 
@@ -398,13 +398,13 @@ def test_update_weights_mid_generation_versions_the_later_tokens_and_keeps_the_e
     # Recompute: prompt and tokens 0..k-2 through the old weights (they were fed before the update), then
     # tokens k-1.. one at a time through the new weights.
     model = load_causal_lm(random_model_dir)
-    cache = DynamicCache()
+    cache = {cache_keyword(model): DynamicCache()}  # past_key_values before transformers 5.20, cache after
     prefix = torch.tensor([PROMPTS[2] + out.token_ids[:k - 1]])
     with torch.no_grad():
-        model(input_ids=prefix, cache=cache, use_cache=True)
+        model(input_ids=prefix, use_cache=True, **cache)
         model.load_state_dict(new, strict=False)
         for t in range(k, 8):
-            logits = model(input_ids=torch.tensor([[out.token_ids[t - 1]]]), cache=cache, use_cache=True,
+            logits = model(input_ids=torch.tensor([[out.token_ids[t - 1]]]), use_cache=True, **cache,
                            position_ids=torch.tensor([[len(PROMPTS[2]) + t - 1]])).logits[0, -1]
             log_probs = torch.log_softmax(logits.float(), -1)  # [V]
             assert int(log_probs.argmax()) == out.token_ids[t]
