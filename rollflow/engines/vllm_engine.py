@@ -466,7 +466,8 @@ class VLLMWorkerExtension:
             reload(weights_iterator=on_device, is_checkpoint_format=True)
         else:
             self.model_runner.model.load_weights(weights=on_device)
-        self._refresh_tied_lm_head()
+        if self.device.type == "cpu":
+            self._refresh_tied_lm_head()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return len(weights)
@@ -475,7 +476,7 @@ class VLLMWorkerExtension:
         """With tied embeddings the LM head is a module of its own sharing the embedding's parameter, and no
         checkpoint tensor names it, so a reload never reprocesses it: on CPU its GEMM kept a oneDNN handle of
         the old embedding (measured: logprobs off by ~1 nat after a sync). Tie it again and redo its
-        post-load processing."""
+        post-load processing (CPU only: on GPUs the unquantized head reads the weight itself)."""
         model = self.model_runner.get_model()
         lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
         embed = getattr(inner, "embed_tokens", None)
