@@ -339,3 +339,12 @@ def use_cpu_attention(model: torch.nn.Module) -> None:
         AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)  # the same masks as sdpa
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(CPU_ATTENTION)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` (transformers >= 5.20) or
+    `past_key_values` (earlier, and models with their own code). A model given the wrong one ignores it
+    silently and decodes every token without its context."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -48,7 +48,7 @@ from rollflow.engines.base import (
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
-from rollflow.models import eos_token_ids, load_causal_lm, load_tokenizer, use_cpu_attention
+from rollflow.models import cache_keyword, eos_token_ids, load_causal_lm, load_tokenizer, use_cpu_attention
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the engine keeps a set of them
@@ -665,15 +665,6 @@ def _ban_stop_ids(scaled: torch.Tensor, stop_ids: torch.Tensor, blocked: torch.T
     index = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1].clamp(min=0))  # [B, S]
     values = scaled.gather(1, index).masked_fill(banned.unsqueeze(1), float("-inf"))  # [B, S]
     return scaled.scatter(1, index, values)
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword `model.forward` takes its KV cache by: `cache` (transformers >= 5.20) or
-    `past_key_values` (earlier, and models with their own code). A model given the wrong one ignores it
-    silently and decodes every token without its context."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:

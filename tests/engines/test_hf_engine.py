@@ -10,7 +10,7 @@ from rollflow.backends.torch_backend import TorchBackend
 from rollflow.data.sample import Sample, collate
 from rollflow.engines import ENGINES, create_engine
 from rollflow.engines.base import SEED_MODULUS, GenerationRequest, SamplingParams, sample_seed
-from rollflow.engines.hf import HFEngine, cache_keyword
+from rollflow.engines.hf import HFEngine
 from rollflow.errors import EngineError
 from rollflow.registry import UnknownNameError
 
@@ -370,7 +370,7 @@ def test_update_weights_mid_generation_versions_the_later_tokens_and_keeps_the_e
     new version."""
     from transformers import DynamicCache
 
-    from rollflow.models import load_causal_lm
+    from rollflow.models import cache_keyword, load_causal_lm
 
     engine = HFEngine(random_model_dir, seed=0)
     engine.eos_ids = []
