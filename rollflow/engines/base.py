@@ -59,10 +59,15 @@ def sample_seed(seed: int, slot: int) -> int:
     return (seed * 1_000_003 + slot) % SEED_MODULUS
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def decoding_failed(engine: str, cause: BaseException) -> EngineError:
     """The one-line error every request an engine held fails with when its decoding raised `cause`."""
-    lines = str(cause).strip().splitlines()
-    error = EngineError(f"{engine} engine: decoding failed: {lines[0] if lines else type(cause).__name__}")
+    error = EngineError(f"{engine} engine: decoding failed: {first_line(cause)}")
     error.__cause__ = cause  # the full story for a traceback; the message stays one line
     return error
 

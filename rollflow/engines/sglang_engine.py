@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from rollflow.engines import ENGINE_PACKAGES
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -139,7 +140,7 @@ class SGLangEngine:
         try:
             import sglang
         except ImportError as err:
-            raise ImportError("the sglang engine needs SGLang: pip install 'rollflow[sglang]'") from err
+            raise ImportError(f"the sglang engine needs SGLang: {ENGINE_PACKAGES['sglang'][1]}") from err
         if original_logprob_enabled(dict(os.environ)):
             raise ValueError(f"unset {ORIGINAL_LOGPROB_ENV}: it makes SGLang report logprobs before "
                              "temperature, not the ones the trainer recomputes")

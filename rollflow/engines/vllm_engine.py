@@ -65,6 +65,7 @@ from rollflow.engines.base import (
     GenerationRequest,
     SamplingParams,
     decoding_failed,
+    first_line,
 )
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.loop_thread import LoopThread
@@ -271,10 +272,10 @@ class VLLMEngine:
         except ImportError as err:
             raise ImportError(f"the vllm engine needs vLLM: {INSTALL_HINT}") from err
         except (RuntimeError, OSError) as err:  # a CUDA build of torchvision & co. next to the CPU torch
-            if "torchvision" not in str(err) and "torchaudio" not in str(err) and "torchcodec" not in str(err):
+            if not any(package in str(err) for package in ("torchvision", "torchaudio", "torchcodec")):
                 raise
             raise ImportError(
-                f"vLLM cannot be imported: {str(err).strip().splitlines()[0]}: the installed torchvision / "
+                f"vLLM cannot be imported: {first_line(err)}: the installed torchvision / "
                 "torchaudio / torchcodec do not match the CPU torch, and vLLM's text models need none of "
                 "them: pip uninstall -y torchvision torchaudio torchcodec") from None
         self.on_cpu = current_platform.is_cpu()
@@ -295,9 +296,7 @@ class VLLMEngine:
         try:
             self._loop_thread = LoopThread(create, name="rollflow-vllm")
         except Exception as err:  # the engine core's own log (above) has the root cause
-            lines = str(err).strip().splitlines()
-            raise EngineError(f"vllm engine: could not start: {lines[0] if lines else type(err).__name__} "
-                              "(vLLM's log above says why)") from err
+            raise EngineError(f"vllm engine: could not start: {first_line(err)} (vLLM's log above says why)") from err
         self.llm = self._loop_thread.instance
         self._lifecycle = EngineLifecycle()
         self._tasks: dict[str, asyncio.Task] = {}  # streaming requests (touched on the loop thread only)
