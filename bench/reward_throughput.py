@@ -13,7 +13,8 @@ import time
 
 from rollflow.rewards import math_answer
 from rollflow.rewards.math_verifier import default_verifier
-from rollflow.rewards.sandbox import Sandbox, SandboxLimits, detect_isolation
+from rollflow.rewards.sandbox import Sandbox, SandboxLimits
+from rollflow.rewards.sandbox_isolation import detect_isolation
 
 PROGRAM = "n = int(input())\nprint(sum(i * i for i in range(n)))\n"
 

@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from rollflow.envs.base import make_env
+from rollflow.envs.make import make_env
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 

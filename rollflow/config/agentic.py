@@ -181,7 +181,7 @@ class AgenticConfig(RunConfigBase):
 
     @model_validator(mode="after")
     def _env_exists(self) -> AgenticConfig:
-        from rollflow.envs.base import check_env_id
+        from rollflow.envs.make import check_env_id
         from rollflow.errors import RollflowError
 
         try:

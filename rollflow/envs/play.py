@@ -13,7 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rollflow.envs.base import Env, make_env
+from rollflow.envs.base import Env
+from rollflow.envs.make import make_env
 from rollflow.errors import ConfigError, RollflowError
 
 Policy = Callable[[str], str]

@@ -28,7 +28,8 @@ from rollflow.rewards.registry import (
 )
 from rollflow.rewards.reward_model import RewardModelOptions
 from rollflow.rewards.rules import INSTRUCTION_RULES, instruction_rules
-from rollflow.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult, detect_isolation
+from rollflow.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult
+from rollflow.rewards.sandbox_isolation import detect_isolation
 
 __all__ = [
     "INSTRUCTION_RULES",

@@ -15,21 +15,21 @@ What one execution gets, at the strongest isolation level ("bwrap", bubblewrap):
 * a wall-time limit and an output-size limit enforced by the caller, and a final sweep that SIGKILLs every
   process of the run's uid and of its cgroup.
 
-Fallbacks, chosen once per process by `detect_isolation()` and announced with a loud warning:
-"unshare" (util-linux `unshare` as root: network, pid, ipc, uts and mount namespaces, private tmpfs over
-`/tmp` and `/dev/shm`, but the rest of the file system is visible, protected only by the unprivileged uid)
-and "rlimits" (a plain subprocess with rlimits and a new session: no network or file-system isolation,
-and without root no way to sweep escaped descendants). Set `require_isolation` to refuse to run below a
-level instead.
+Fallbacks, chosen once per process by `detect_isolation()` (`sandbox_isolation.py`) and announced with a
+loud warning: "unshare" (util-linux `unshare` as root: network, pid, ipc, uts and mount namespaces, private
+tmpfs over `/tmp` and `/dev/shm`, but the rest of the file system is visible, protected only by the
+unprivileged uid) and "rlimits" (a plain subprocess with rlimits and a new session: no network or file-system
+isolation, and without root no way to sweep escaped descendants). Set `require_isolation` to refuse to run
+below a level instead.
+
+The run's processes are fed, read and killed by `sandbox_processes.py`, its cgroup is `sandbox_cgroup.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
@@ -45,11 +45,17 @@ from typing import Literal, TypeVar
 
 from rollflow.errors import RollflowError
 from rollflow.rewards.sandbox_cgroup import RunCgroup
+from rollflow.rewards.sandbox_isolation import (
+    BWRAP_NAMESPACE_ARGS,
+    ISOLATION_LEVELS,
+    UNSHARE_ARGS,
+    Isolation,
+    detect_isolation,
+)
+from rollflow.rewards.sandbox_processes import communicate, count_own_tasks, kill_uid
 
 logger = logging.getLogger(__name__)
 
-Isolation = Literal["bwrap", "unshare", "rlimits"]
-ISOLATION_LEVELS: tuple[Isolation, ...] = ("rlimits", "unshare", "bwrap")  # weakest first
 SANDBOX_UID_RANGE = (1 << 20, 1 << 30)  # fresh uids are drawn from here; no real user lives there
 SANDBOX_WORKDIR = "/work"  # where the private working directory appears inside a bwrap sandbox
 CGROUP_PREFIX = "rollflow-sandbox-"
@@ -115,63 +121,6 @@ class SandboxResult:
 
 class SandboxUnavailableError(RollflowError, RuntimeError):
     """The required isolation level is not available on this machine."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Isolation probing (once per process).
-
-
-def _probe(argv: list[str]) -> bool:
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=20, env={"PATH": "/usr/bin:/bin"})
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
-
-@functools.lru_cache(maxsize=1)
-def detect_isolation() -> Isolation:
-    """The strongest isolation level that works here; warns loudly when it is not "bwrap".
-
-    Returns:
-        "bwrap", "unshare" or "rlimits".
-    """
-    bwrap = shutil.which("bwrap")
-    if bwrap and _probe([bwrap, *_bwrap_namespace_args(), "--ro-bind", "/", "/", "--", "/bin/true"]):
-        return "bwrap"
-    unshare = shutil.which("unshare")
-    if os.geteuid() == 0 and unshare and _probe([unshare, *_UNSHARE_ARGS, "/bin/true"]):
-        level: Isolation = "unshare"
-        detail = "file system visible to the program (only the unprivileged uid protects it)"
-    else:
-        level = "rlimits"
-        detail = "NO network, file-system or pid isolation; escaped descendants may survive"
-    message = (
-        f"rollflow sandbox: bubblewrap is unavailable, running model-written code with weaker isolation "
-        f"({level!r}: {detail}). Install it: apt-get install -y bubblewrap"
-    )
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return level
-
-
-def _bwrap_namespace_args() -> list[str]:
-    return [
-        "--unshare-net",
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--die-with-parent",  # the sandbox dies with the caller
-        "--new-session",  # no controlling terminal: no TIOCSTI injection into the caller's tty
-    ]
-
-
-_UNSHARE_ARGS = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The sandbox.
 
 
 class Sandbox:
@@ -297,7 +246,9 @@ class Sandbox:
     ) -> SandboxResult:
         uid = secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0]) + SANDBOX_UID_RANGE[0]
         workdir = tempfile.mkdtemp(prefix="rollflow-sandbox-", dir=self.workdir_root)
-        cgroup = RunCgroup(f"{CGROUP_PREFIX}{os.getpid()}-{uid}", limits, limits.max_processes + 4)
+        cgroup = RunCgroup(
+            f"{CGROUP_PREFIX}{os.getpid()}-{uid}", limits.memory_bytes, limits.max_processes + 4
+        )
         start = time.monotonic()
         try:
             _write_files(workdir, files)
@@ -314,7 +265,9 @@ class Sandbox:
                 close_fds=True,
                 start_new_session=True,  # its own process group, so we can kill the whole group
             )
-            stdout, stderr, timed_out, output_limited = _communicate(process, stdin, limits)
+            stdout, stderr, timed_out, output_limited = communicate(
+                process, stdin, limits.wall_time_s, limits.max_output_bytes
+            )
             returncode = None if (timed_out or output_limited) else process.returncode
             if returncode is not None and self.isolation == "bwrap" and returncode > 128:
                 returncode = -(returncode - 128)  # bwrap reports a child killed by signal N as 128 + N
@@ -332,7 +285,7 @@ class Sandbox:
             )
         finally:
             if self._drop_uid:
-                _kill_uid(uid)
+                kill_uid(uid)
             cgroup.kill_all()
             cgroup.remove()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -348,7 +301,7 @@ class Sandbox:
         """The launcher chain: [sh (join cgroup)] -> prlimit -> isolation -> [setpriv (drop to uid)] -> argv."""
         cpu = max(1, int(limits.cpu_time_s + 0.999))
         # RLIMIT_NPROC counts every task of the uid; the private uid has none yet, the caller's has many.
-        nproc = limits.max_processes if self._drop_uid else limits.max_processes + _count_own_tasks()
+        nproc = limits.max_processes if self._drop_uid else limits.max_processes + count_own_tasks()
         rlimits = [
             "prlimit",
             f"--cpu={cpu}:{cpu + 1}",
@@ -383,7 +336,7 @@ class Sandbox:
                 f'{tmpfs} /dev/shm && mkdir /dev/shm/work && mount --bind "$PWD" /dev/shm/work && '
                 f'{tmpfs} /tmp && cd /dev/shm/work && export PWD=/dev/shm/work && exec "$@"'
             )
-            inner = ["unshare", *_UNSHARE_ARGS, "/bin/sh", "-c", script, "sh", *drop, *argv]
+            inner = ["unshare", *UNSHARE_ARGS, "/bin/sh", "-c", script, "sh", *drop, *argv]
         else:
             inner = drop + argv
         command = rlimits + inner
@@ -393,7 +346,7 @@ class Sandbox:
         return command
 
     def _bwrap_args(self, workdir: str, limits: SandboxLimits) -> list[str]:
-        args = ["bwrap", *_bwrap_namespace_args(), "--ro-bind", "/usr", "/usr"]
+        args = ["bwrap", *BWRAP_NAMESPACE_ARGS, "--ro-bind", "/usr", "/usr"]
         for name in ("bin", "lib", "lib64", "lib32", "sbin"):  # merged-/usr symlinks or real dirs
             path = os.path.join("/", name)
             if os.path.islink(path):
@@ -446,138 +399,6 @@ def _reachable_by_others(path: str) -> bool:
         if not os.stat("/".join(parts[:depth])).st_mode & 0o001:
             return False
     return bool(os.stat(path).st_mode & 0o001)
-
-
-def _count_own_tasks() -> int:
-    """Tasks (processes and threads) of our uid: RLIMIT_NPROC counts them all for a non-root user."""
-    uid, count = os.getuid(), 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry}/task"))
-            except OSError:
-                continue
-    return count
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes whose owner is `uid`, from /proc.
-
-    Args:
-        uid: a user id.
-
-    Returns:
-        The pids.
-    """
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split()[0]
-        except OSError:
-            continue
-        if state not in (b"Z", b"X"):
-            pids.append(int(entry))
-    return pids
-
-
-def _kill_uid(uid: int, deadline_s: float = 10.0) -> None:
-    """SIGKILL every process of the run's private uid until none is left (or `deadline_s` passes).
-
-    `kill(-1)` from that uid reaches exactly its processes, wherever they are, in one system call; it
-    catches descendants that escaped the namespace or cgroup cleanup (or had none, at level "rlimits").
-    """
-    end = time.monotonic() + deadline_s
-    while processes_of_uid(uid) and time.monotonic() < end:
-        subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-9", "-1"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={"PATH": "/usr/bin:/bin"},
-            timeout=30,
-        )
-        time.sleep(0.005)
-
-
-def _communicate(
-    process: subprocess.Popen, stdin: bytes, limits: SandboxLimits
-) -> tuple[bytes, bytes, bool, bool]:
-    """Feed stdin and collect capped output until exit or a limit; kill the process group on a limit."""
-    assert process.stdin and process.stdout and process.stderr
-    deadline = time.monotonic() + limits.wall_time_s
-    out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
-    outputs = {out_fd: bytearray(), err_fd: bytearray()}
-    timed_out = output_limited = False
-    with selectors.DefaultSelector() as selector:
-        for fd in outputs:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        pending = memoryview(stdin)
-        if pending:
-            os.set_blocking(process.stdin.fileno(), False)
-            selector.register(process.stdin.fileno(), selectors.EVENT_WRITE)
-        else:
-            process.stdin.close()
-        open_outputs = len(outputs)
-        while open_outputs and not output_limited:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            exited = process.poll() is not None
-            events = selector.select(min(remaining, 0.05 if exited else 0.1))  # wake up to notice an exit
-            if exited and not events:
-                break  # the program is gone; a descendant that kept its pipes open is not waited for
-            for key, _ in events:
-                if key.fd in outputs:
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        selector.unregister(key.fd)
-                        open_outputs -= 1
-                        continue
-                    buffer = outputs[key.fd]
-                    buffer += chunk[: limits.max_output_bytes + 1 - len(buffer)]
-                    if len(buffer) > limits.max_output_bytes:
-                        del buffer[limits.max_output_bytes :]
-                        output_limited = True
-                else:
-                    try:
-                        written = os.write(key.fd, pending[:65536])
-                        pending = pending[written:]
-                    except OSError:  # the program closed its stdin or exited
-                        pending = pending[:0]
-                    if not pending:
-                        selector.unregister(key.fd)
-                        process.stdin.close()
-    if not (timed_out or output_limited):
-        try:  # both outputs are closed; the program may still be running
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    if timed_out or output_limited:
-        _kill_group(process)
-    process.wait()
-    for pipe in (process.stdin, process.stdout, process.stderr):
-        if not pipe.closed:
-            pipe.close()
-    return bytes(outputs[out_fd]), bytes(outputs[err_fd]), timed_out, output_limited
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        process.kill()
-    except ProcessLookupError:
-        pass
 
 
 _default: Sandbox | None = None

@@ -12,10 +12,6 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rollflow.rewards.sandbox import SandboxLimits
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +51,11 @@ class RunCgroup:
 
     Args:
         name: the run's cgroup name (unique).
-        limits: `memory_bytes` becomes the memory cap.
+        memory_bytes: the memory cap of the run.
         max_tasks: the `pids.max` of the run (processes and threads, launcher included).
     """
 
-    def __init__(self, name: str, limits: SandboxLimits, max_tasks: int):
+    def __init__(self, name: str, memory_bytes: int, max_tasks: int):
         parents = _cgroup_parents()
         self.dirs: list[str] = []
         if parents is None:
@@ -70,7 +66,7 @@ class RunCgroup:
                 os.mkdir(path)
                 self.dirs.append(path)
                 _write(path, "pids.max", max_tasks)
-                _write(path, "memory.max", limits.memory_bytes)
+                _write(path, "memory.max", memory_bytes)
                 _write(path, "memory.swap.max", 0, missing_ok=True)
             else:
                 pids = os.path.join(parents["pids"], name)
@@ -80,8 +76,8 @@ class RunCgroup:
                 memory = os.path.join(parents["memory"], name)
                 os.mkdir(memory)
                 self.dirs.append(memory)
-                _write(memory, "memory.limit_in_bytes", limits.memory_bytes)
-                _write(memory, "memory.memsw.limit_in_bytes", limits.memory_bytes, missing_ok=True)
+                _write(memory, "memory.limit_in_bytes", memory_bytes)
+                _write(memory, "memory.memsw.limit_in_bytes", memory_bytes, missing_ok=True)
         except OSError as error:
             logger.warning("rollflow sandbox: cannot set up a cgroup (%s); relying on rlimits", error)
             self.remove()

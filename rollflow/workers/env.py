@@ -24,7 +24,8 @@ from typing import Any
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
-from rollflow.envs.base import Env, make_env
+from rollflow.envs.base import Env
+from rollflow.envs.make import make_env
 from rollflow.workers.base import PlacedWorker
 
 MAKE_TIMEOUT_S = 120.0  # the least time limit of making an env (its package's import may come first)

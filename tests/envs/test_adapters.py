@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from rollflow.envs.adapters import GEM_OBSERVATIONS, make_gem_env, make_gym_env
-from rollflow.envs.base import Env, make_env
+from rollflow.envs.base import Env
+from rollflow.envs.make import make_env
 from rollflow.errors import ConfigError
 
 

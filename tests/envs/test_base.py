@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from rollflow.envs.base import ENVS, Env, check_env_id, make_env
+from rollflow.envs.base import ENVS, Env
+from rollflow.envs.make import check_env_id, make_env
 from rollflow.errors import ConfigError
 from rollflow.registry import UnknownNameError
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rollflow.envs.base import make_env
+from rollflow.envs.make import make_env
 from rollflow.envs.play import add_play_parser, play_help, play_main
 
 LAKE = '{"fixed_map": ["SFF", "FHF", "FFG"]}'  # the hole is Down, Right from the start; the goal 4 moves away

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import pytest
 
 from rollflow.rewards.code import StdioCase, run_stdio_case
-from rollflow.rewards.sandbox import Sandbox, SandboxLimits, detect_isolation, processes_of_uid
+from rollflow.rewards.sandbox import Sandbox, SandboxLimits
+from rollflow.rewards.sandbox_isolation import detect_isolation
+from rollflow.rewards.sandbox_processes import processes_of_uid
 
 LIMITS = SandboxLimits(
     wall_time_s=2.0,

@@ -7,13 +7,9 @@ import time
 
 import pytest
 
-from rollflow.rewards.sandbox import (
-    Sandbox,
-    SandboxLimits,
-    SandboxUnavailableError,
-    detect_isolation,
-    processes_of_uid,
-)
+from rollflow.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
+from rollflow.rewards.sandbox_isolation import detect_isolation
+from rollflow.rewards.sandbox_processes import processes_of_uid
 
 FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=2.0, memory_bytes=256 << 20, max_output_bytes=4096)
 
