@@ -23,6 +23,9 @@ weights empty that cache.
 When decoding raises (a CUDA error, NaN logits from non-finite weights), every request still queued or in
 the batch fails with one `EngineError` and the next `generate` starts afresh.
 
+The running batch (its KV cache and output buffers) is `kv_batch.DecodeBatch`; the choice of each token is
+`sampling.sample_tokens`. This module admits requests, runs the model and hands finished samples back.
+
 The engine runs on the caller's event loop (no thread of its own): call every method from that loop's
 thread.
 """
@@ -35,7 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from rollflow.engines.base import (
     Completion,
@@ -46,8 +48,10 @@ from rollflow.engines.base import (
     decoding_failed,
     sample_seed,
 )
+from rollflow.engines.kv_batch import DecodeBatch, repeat_requests
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
+from rollflow.engines.sampling import sample_tokens
 from rollflow.models import cache_keyword, eos_token_ids, load_causal_lm, load_tokenizer, use_cpu_attention
 
 
@@ -63,6 +67,19 @@ class _Pending:
     cache_epoch: int = -1  # the prefix cache's epoch when the request was admitted
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefill_tokens: int = 0  # prompt tokens prefilled
+
+
+@dataclass
+class _Row:
+    """One sequence in the batch: output `slot` of its request."""
+
+    pending: _Pending
+    slot: int
+    generator: torch.Generator | None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.pending.request.params
 
 
 class HFEngine:
@@ -217,7 +234,7 @@ class HFEngine:
     async def _run(self) -> None:
         """Decode while requests are queued or running, admitting arrivals at token boundaries; a failure
         fails every unresolved request (none waits)."""
-        batch: _Batch | None = None
+        batch: DecodeBatch | None = None
         try:
             while self._queue or batch is not None:
                 if batch is None:
@@ -262,7 +279,7 @@ class HFEngine:
             size = len(self._queue)
             await asyncio.sleep(settle_s)
 
-    def _admit(self, batch: _Batch | None) -> list[_Pending]:
+    def _admit(self, batch: DecodeBatch | None) -> list[_Pending]:
         """The queued requests that join the batch now, first come first served.
 
         Requests join while the running sequences stay within `max_batch_size` (a request larger than that
@@ -292,7 +309,7 @@ class HFEngine:
         return bool(self._queue) and (self.stats["decode_steps"] - self._queue[0].submitted_step
                                       > self.admit_wait_steps)
 
-    def _join(self, batch: _Batch | None, admitted: list[_Pending]) -> _Batch:
+    def _join(self, batch: DecodeBatch | None, admitted: list[_Pending]) -> DecodeBatch:
         """Prefill the admitted requests' prompts and add their rows to `batch` (or start one).
 
         One prefill per request, not per sample: the `n` rows of a request share their prompt's KV cache.
@@ -318,20 +335,17 @@ class HFEngine:
         # [R, P] attention (P = S + the longest reused prefix), [R, S] positions, that prefix's cache or None
         attention, positions, cache = with_prefixes(hits, attention)
         logits, cache = self._forward(input_ids, attention, positions, cache)  # [R, V]
-        if len(rows) != len(admitted):
-            request_of_row = torch.tensor([i for i, p in enumerate(admitted)
-                                           for _ in range(p.request.params.n)], device=self.device)  # [N]
-            cache.batch_select_indices(request_of_row)
-            logits, attention = logits[request_of_row], attention[request_of_row]  # [N, V], [N, P]
+        # [N, V], [N, P]: each sample its own row of its request's prefill
+        logits, attention = repeat_requests(cache, logits, attention, [p.request.params.n for p in admitted])
         self.stats["prefills"] += 1
-        joining = _Batch.build(rows, logits, cache, attention, self.eos_ids, self.generator)
+        joining = DecodeBatch.build(rows, logits, cache, attention, self.eos_ids, self.generator)
         if batch is None:
             self.stats["waves"] += 1
             return joining
         batch.merge(joining, self.generator)
         return batch
 
-    def _sample_step(self, batch: _Batch) -> bool:
+    def _sample_step(self, batch: DecodeBatch) -> bool:
         """Sample one token for every running row; False once no row runs.
 
         The per-token work is a handful of batched tensor ops: tokens, logprobs and versions go into
@@ -358,7 +372,7 @@ class HFEngine:
             batch.select(torch.nonzero(batch.active).flatten())
         return batch.running > 0
 
-    def _feed(self, batch: _Batch) -> None:
+    def _feed(self, batch: DecodeBatch) -> None:
         """Run the model on every row's last sampled token: the next token's logits, one more cache column."""
         batch.attention = torch.cat([batch.attention, batch.active.long().unsqueeze(1)], dim=1)  # [B, L + 1]
         self.stats["decode_steps"] += 1
@@ -380,46 +394,20 @@ class HFEngine:
             return None
         return torch.Generator(device=self.device).manual_seed(sample_seed(params.seed, slot))
 
-    @torch.no_grad()
-    def _sample(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per batch row. Returns ([B] tokens, [B] logprobs of those tokens).
+    def _sample(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per batch row (`sampling.sample_tokens`). Returns ([B] tokens, [B] logprobs).
 
-        Logprobs are log-softmax(logits / temperature) before top-k / top-p and before the
-        `min_new_tokens` mask (temperature 1 when greedy): the trainer recomputes them knowing neither.
-        In a batch with seeded rows every row samples by inverse CDF from its own pre-drawn uniform for its
-        own position (`_Batch.uniforms`), so a seeded row's draw depends on nothing else in the batch, nor
-        on when it joined.
+        In a batch with seeded rows every row draws from its own pre-drawn uniform for its own position
+        (`DecodeBatch.uniforms`); rows not yet at `min_new_tokens` cannot choose a stop id.
         """
-        scaled = batch.logits / batch.temperatures.unsqueeze(1)  # [B, V]; greedy rows carry temperature 1
-        log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
-        # NaN / inf logits would make greedy rows emit garbage and sampled rows crash multinomial (a
-        # device-side assert on CUDA, which poisons the process): refuse them here, in one clear line.
-        if bool(torch.isnan(log_probs).any()):
-            raise FloatingPointError("the model's logits are not finite (non-finite weights?)")
-        allowed = scaled  # [B, V] what rows sample from
-        if batch.any_min_tokens:
-            allowed = _ban_stop_ids(scaled, batch.stop_ids, batch.lengths < batch.min_tokens)
-            tokens = allowed.argmax(-1)  # [B] greedy choice
-        else:
-            tokens = log_probs.argmax(-1)  # [B] greedy choice
-        if not batch.all_greedy:
-            if batch.needs_filter:
-                probs = torch.softmax(_filter_top_k_top_p(allowed, batch.params), dim=-1)
-            elif batch.any_min_tokens:
-                probs = torch.softmax(allowed, dim=-1)
-            else:
-                probs = log_probs.exp()  # [B, V]
-            if batch.any_seeded:  # inverse CDF: the first token whose cumulative probability exceeds u
-                cdf = probs.cumsum(-1)  # [B, V]
-                u = batch.uniforms.gather(1, batch.lengths.unsqueeze(1))  # [B, 1] at each row's position
-                u = u * cdf[:, -1:]  # [B, 1], below the total
-                draws = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)  # [B]
-            else:
-                draws = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]
-            tokens = torch.where(batch.greedy, tokens, draws)
-        return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        uniforms = batch.uniforms.gather(1, batch.lengths.unsqueeze(1)).squeeze(1) if batch.any_seeded else None
+        blocked = batch.lengths < batch.min_tokens if batch.any_min_tokens else None  # [B]
+        return sample_tokens(batch.logits, batch.temperatures, batch.greedy, all_greedy=batch.all_greedy,
+                             filter_params=batch.params if batch.needs_filter else None,
+                             stop_ids=batch.stop_ids if batch.any_min_tokens else None, stop_blocked=blocked,
+                             uniforms=uniforms, generator=self.generator)
 
-    def _finish_row(self, batch: _Batch, i: int, length: int, reason: FinishReason) -> None:
+    def _finish_row(self, batch: DecodeBatch, i: int, length: int, reason: FinishReason) -> None:
         """Copy batch row `i`'s first `length` tokens out of the buffers; resolve its request once all
         of its rows finished."""
         row = batch.rows[i]
@@ -437,7 +425,7 @@ class HFEngine:
         if row.pending.unfinished == 0:
             self._resolve(row.pending, row.pending.outputs)
 
-    def _drop_aborted(self, batch: _Batch) -> None:
+    def _drop_aborted(self, batch: DecodeBatch) -> None:
         if not self._aborted:
             return
         for i in torch.nonzero(batch.active).flatten().tolist():
@@ -459,214 +447,6 @@ class HFEngine:
             pending.future.set_result(Completion(pending.request.request_id, outputs, metadata))
 
 
-@dataclass
-class _Row:
-    """One sequence in the batch: output `slot` of its request."""
-
-    pending: _Pending
-    slot: int
-    generator: torch.Generator | None
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.pending.request.params
-
-
-@dataclass
-class _Batch:
-    """The running decode batch. Batch position `b` is row `rows[b]` in every tensor.
-
-    The KV cache and `attention` span `L` columns shared by all rows: each row's prompt is left-padded so
-    that it ends where the rows that were already running had their last token when it joined; padding
-    columns are masked out (and dropped once no row needs them), and explicit position ids make every
-    row's computation what it would be alone. Output buffers are `W` wide: each row's `max_new_tokens`
-    plus one scratch column, which rows that finished but still sit in the batch write into.
-    """
-
-    rows: list[_Row]
-    cache: object  # transformers Cache: per layer keys / values [B, KV heads, L, head dim]
-    mergeable: bool  # rows can join: the cache's keys and values can be padded and concatenated
-    logits: torch.Tensor  # [B, V] logits of each row's next token
-    last_tokens: torch.Tensor  # [B] each row's last sampled token, until it is fed to the model
-    attention: torch.Tensor  # [B, L] 1 where the cache column holds one of the row's tokens
-    positions: torch.Tensor  # [B] position id of the token each row feeds next
-    lengths: torch.Tensor  # [B] tokens sampled so far (the output index of the next one)
-    active: torch.Tensor  # [B] still generating
-    temperatures: torch.Tensor  # [B] (1 for greedy rows)
-    greedy: torch.Tensor  # [B]
-    limits: torch.Tensor  # [B] max_new_tokens
-    min_tokens: torch.Tensor  # [B] min_new_tokens
-    stop_ids: torch.Tensor  # [B, S] EOS + stop ids, padded with -1
-    tokens: torch.Tensor  # [B, W]
-    logprobs: torch.Tensor  # [B, W]
-    versions: torch.Tensor  # [B, W] policy version when each token was sampled
-    uniforms: torch.Tensor | None  # [B, W] sampling uniforms, while a row is seeded
-    running: int = 0  # active rows (a Python int: admission reads it at every token)
-    started: float = field(default_factory=time.perf_counter)
-    params: list[SamplingParams] = field(default_factory=list)  # of each row
-    all_greedy: bool = False
-    needs_filter: bool = False
-    any_seeded: bool = False
-    any_min_tokens: bool = False
-
-    # Per-row tensors that rows are selected from and concatenated along their first dim.
-    ROW_TENSORS = ("logits", "last_tokens", "positions", "lengths", "active", "temperatures", "greedy",
-                   "limits", "min_tokens")
-    # Per-row tensors whose second dim is padded on the right (with this value) when batches merge.
-    RIGHT_PADDED = {"stop_ids": -1, "tokens": 0, "logprobs": 0.0, "versions": 0, "uniforms": 0.0}
-
-    @classmethod
-    def build(cls, rows: list[_Row], logits: torch.Tensor, cache, attention: torch.Tensor, eos_ids: list[int],
-              engine_generator: torch.Generator) -> _Batch:
-        """The batch of freshly prefilled `rows`: [N, V] logits, [N, P] attention of their prompts."""
-        device = logits.device
-        stops = [sorted(set(eos_ids) | set(row.params.stop_token_ids)) for row in rows]
-        stop_ids = torch.full((len(rows), max(1, max(len(s) for s in stops))), -1, dtype=torch.long)
-        for i, ids in enumerate(stops):
-            stop_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        temperatures = torch.tensor([row.params.temperature for row in rows], device=device)
-        limits = torch.tensor([row.params.max_new_tokens for row in rows], device=device)
-        width = int(limits.max()) + 1  # + the scratch column
-        # Plain full-attention layers holding their own keys / values (no sliding window, linear attention
-        # or layers sharing another layer's cache): those can be padded and concatenated.
-        mergeable = all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
-        batch = cls(rows=rows, cache=cache, mergeable=mergeable,
-                    logits=logits, last_tokens=torch.zeros(len(rows), dtype=torch.long, device=device),
-                    attention=attention, positions=attention.sum(1),
-                    lengths=torch.zeros(len(rows), dtype=torch.long, device=device),
-                    active=torch.ones(len(rows), dtype=torch.bool, device=device),
-                    temperatures=torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures),
-                    greedy=temperatures == 0, limits=limits,
-                    min_tokens=torch.tensor([row.params.min_new_tokens for row in rows], device=device),
-                    stop_ids=stop_ids.to(device),
-                    tokens=torch.zeros(len(rows), width, dtype=torch.long, device=device),
-                    logprobs=torch.zeros(len(rows), width, device=device),
-                    versions=torch.zeros(len(rows), width, dtype=torch.long, device=device),
-                    uniforms=None, running=len(rows))
-        batch.refresh_flags()
-        if batch.any_seeded:
-            batch.uniforms = _draw_uniforms(rows, width, engine_generator)
-        return batch
-
-    def refresh_flags(self) -> None:
-        """Batch-wide facts `_sample` branches on, computed once per batch change instead of per token."""
-        self.params = [row.params for row in self.rows]
-        self.all_greedy = all(p.temperature == 0 for p in self.params)
-        self.needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in self.params)
-        self.any_seeded = any(row.generator is not None for row in self.rows)
-        self.any_min_tokens = any(p.min_new_tokens > 0 for p in self.params)
-        if not self.any_seeded:
-            self.uniforms = None
-
-    def record(self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> None:
-        """Write each row's sampled token ([B]), its logprob ([B]) and `version` at the row's own position."""
-        index = (torch.arange(len(self.rows), device=tokens.device), self.lengths)
-        self.tokens[index] = tokens
-        self.logprobs[index] = logprobs
-        self.versions[index] = version
-        self.lengths += self.active
-        self.last_tokens = tokens
-
-    def row_kv(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row `i`'s keys and values in the `T` cache columns it attends to: per layer
-        [KV heads, T, head dim]."""
-        columns = torch.nonzero(self.attention[i]).flatten()  # [T]
-        return [(layer.keys[i].index_select(1, columns), layer.values[i].index_select(1, columns))
-                for layer in self.cache.layers]
-
-    def select(self, keep: torch.Tensor) -> None:
-        """Keep only batch rows `keep` ([B'] indices), and drop cache columns no kept row attends to."""
-        self.rows = [self.rows[i] for i in keep.tolist()]
-        for name in self.ROW_TENSORS + tuple(self.RIGHT_PADDED):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name)[keep])
-        self.cache.batch_select_indices(keep)
-        self.attention = self.attention[keep]  # [B', L]
-        if self.mergeable:
-            start = int(torch.nonzero(self.attention.any(0))[0])  # first column a row attends to
-            if start:
-                self.attention = self.attention[:, start:]  # [B', L - start]
-                _map_cache(self.cache, lambda states: states[:, :, start:])
-        self.running = int(self.active.sum())
-        self.refresh_flags()
-
-    def merge(self, joining: _Batch, engine_generator: torch.Generator) -> None:
-        """Add the rows of `joining` (freshly prefilled) to this batch, dropping its finished rows.
-
-        The shorter of the two caches is left-padded to the longer one's width `L` (masked columns), so
-        every row's last cache column is column `L - 1` and the next token of every row goes to column `L`.
-        """
-        if self.running < len(self.rows):
-            self.select(torch.nonzero(self.active).flatten())
-        if self.any_seeded != joining.any_seeded:  # every row of a batch with a seeded row needs uniforms
-            unseeded = joining if self.any_seeded else self
-            unseeded.uniforms = _draw_uniforms(unseeded.rows, unseeded.tokens.shape[1], engine_generator)
-        for name, value in self.RIGHT_PADDED.items():
-            ours, theirs = getattr(self, name), getattr(joining, name)
-            if ours is not None:
-                width = max(ours.shape[1], theirs.shape[1])
-                setattr(self, name, torch.cat([_pad_right(ours, width, value),
-                                               _pad_right(theirs, width, value)]))
-        for name in self.ROW_TENSORS:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(joining, name)]))
-        length = max(self.attention.shape[1], joining.attention.shape[1])
-        self.attention = torch.cat([_pad_left(self.attention, length), _pad_left(joining.attention, length)])
-        for ours, theirs in zip(self.cache.layers, joining.cache.layers):
-            ours.keys = torch.cat([_pad_left(ours.keys, length), _pad_left(theirs.keys, length)])
-            ours.values = torch.cat([_pad_left(ours.values, length), _pad_left(theirs.values, length)])
-        self.rows = self.rows + joining.rows
-        self.running += joining.running
-        self.refresh_flags()
-
-
-def _draw_uniforms(rows: list[_Row], width: int, engine_generator: torch.Generator) -> torch.Tensor:
-    """[N, width] sampling uniforms: row `i`'s uniform for its position `t` at `[i, t]`.
-
-    A seeded row draws its `max_new_tokens` uniforms from its own generator, so its t-th token uses the
-    t-th draw of its seed whatever batch it is in; unseeded rows draw from the engine's generator.
-    """
-    uniforms = torch.zeros(len(rows), width, device=engine_generator.device)
-    for i, row in enumerate(rows):
-        limit = row.params.max_new_tokens
-        uniforms[i, :limit] = torch.rand(limit, generator=row.generator or engine_generator,
-                                         device=engine_generator.device)
-    return uniforms
-
-
-def _pad_left(states: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad dim 2 of keys / values ([B, H, L, D]) or dim 1 of a mask ([B, L]) on the left to `length`."""
-    dim = 2 if states.dim() == 4 else 1
-    missing = length - states.shape[dim]
-    if not missing:
-        return states
-    shape = list(states.shape)
-    shape[dim] = missing
-    return torch.cat([states.new_zeros(shape), states], dim=dim)
-
-
-def _pad_right(buffer: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """Pad a [B, W] buffer on the right with `value` to `width` columns."""
-    if buffer.shape[1] == width:
-        return buffer
-    return torch.nn.functional.pad(buffer, (0, width - buffer.shape[1]), value=value)
-
-
-def _map_cache(cache, transform) -> None:
-    """Replace every layer's keys and values ([B, KV heads, L, head dim]) with `transform` of them."""
-    for layer in cache.layers:
-        layer.keys, layer.values = transform(layer.keys), transform(layer.values)
-
-
-def _ban_stop_ids(scaled: torch.Tensor, stop_ids: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """`scaled` ([B, V]) with the stop ids ([B, S], -1 padded) of `blocked` rows ([B]) set to -inf."""
-    banned = blocked & (stop_ids[:, 0] >= 0)  # [B] blocked rows that have a stop id at all
-    # Padding slots point at the row's first stop id and get the same value, so no column receives two
-    # different values from one scatter (which would be nondeterministic).
-    index = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1].clamp(min=0))  # [B, S]
-    values = scaled.gather(1, index).masked_fill(banned.unsqueeze(1), float("-inf"))  # [B, S]
-    return scaled.scatter(1, index, values)
-
-
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Left-padded `[R, P]` input ids and attention mask."""
     width = max(len(p) for p in prompts)
@@ -676,20 +456,3 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
         input_ids[i, width - len(prompt):] = torch.tensor(prompt)
         attention[i, width - len(prompt):] = 1
     return input_ids.to(device), attention.to(device)
-
-
-def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask logits outside each row's top-k / top-p set with -inf. [S, V] -> [S, V]."""
-    if all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
-        return scaled
-    out = scaled.clone()
-    for row, p in enumerate(params):
-        if p.top_k > 0:
-            kth = torch.topk(out[row], min(p.top_k, out.shape[1])).values[-1]
-            out[row][out[row] < kth] = float("-inf")
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(out[row], descending=True)
-            cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cumulative - torch.softmax(sorted_logits, -1) > p.top_p  # keep the token that crosses p
-            out[row][order[drop]] = float("-inf")
-    return out

@@ -14,7 +14,7 @@ import torch
 
 from rollflow.engines import check_engine_installed
 from rollflow.engines.base import CompletionOutput, GenerationRequest, SamplingParams
-from rollflow.engines.hf import _filter_top_k_top_p
+from rollflow.engines.sampling import filter_top_k_top_p
 from rollflow.engines.vllm_engine import (
     CPU_KV_CACHE_BYTES,
     apply_request_output,
@@ -50,7 +50,7 @@ def _vllm_reported_logprob(logits: torch.Tensor, token: int, params: SamplingPar
     requests get log-softmax of the logits, sampled ones log-softmax after temperature and top-k / top-p."""
     if mode == "raw_logprobs" or params.temperature == 0:
         return float(torch.log_softmax(logits, -1)[token])
-    processed = _filter_top_k_top_p((logits / params.temperature).unsqueeze(0), [params])[0]
+    processed = filter_top_k_top_p((logits / params.temperature).unsqueeze(0), [params])[0]
     return float(torch.log_softmax(processed, -1)[token])
 
 
