@@ -23,7 +23,8 @@ import json
 import statistics
 import time
 
-from rollflow.cluster.runtime import pin_threads, start_ray, stop_ray
+from rollflow.cluster.ray_session import start_ray, stop_ray
+from rollflow.cluster.runtime import pin_threads
 from rollflow.config import load_config
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.engines.base import SamplingParams

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.config import load_config
 from rollflow.pipelines.rlvr import run_rlvr
 

@@ -58,7 +58,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prestart_ray(path: str | None, overrides: list[str]) -> None:
-    """Have a local Ray start in a process of its own now (`rollflow.cluster.runtime.prestart_ray`), before the
+    """Have a local Ray start in a process of its own now (`rollflow.cluster.prestart.prestart_ray`), before the
     config is even loaded: loading it imports torch, and the pipeline imports Ray's client (~4 s on 2 cores),
     which Ray's start (~2.5 s) then overlaps on another core. Only where the config plainly asks for a local
     Ray: `cluster.address` unset, `cluster.num_cpus` unset or a positive integer, and not `resume: true` (a
@@ -86,7 +86,7 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
     if settings["cluster.address"] is not None or settings["resume"] is True or \
             num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
         return
-    from rollflow.cluster.runtime import prestart_ray, wait_for_prestarted_ray
+    from rollflow.cluster.prestart import prestart_ray, wait_for_prestarted_ray
     from rollflow.workers import warm
 
     model = settings["model.path"]
@@ -294,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         print("rollflow: interrupted", file=sys.stderr)
         return 130
     finally:  # a Ray `_prestart_ray` started that no pipeline took over (a bad config, say)
-        runtime = sys.modules.get("rollflow.cluster.runtime")
-        if runtime is not None:
-            runtime.discard_prestarted_ray()
+        prestart = sys.modules.get("rollflow.cluster.prestart")
+        if prestart is not None:
+            prestart.discard_prestarted_ray()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def random_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def ray_session():
     """Start Ray once per test session (4 s); tests that need actors take this fixture."""
-    from rollflow.cluster.runtime import start_ray, stop_ray
+    from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
     yield

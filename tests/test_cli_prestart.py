@@ -28,7 +28,7 @@ class _Asked(list):
 def prestarts(monkeypatch):
     """The `num_cpus` of each prestart `_prestart_ray` asks for, in a process that looks fresh (no torch)."""
     asked = _Asked()
-    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked)
+    monkeypatch.setattr("rollflow.cluster.prestart.prestart_ray", asked)
     monkeypatch.delitem(sys.modules, "torch")
     return asked
 
@@ -69,7 +69,7 @@ def test_a_missing_file_prestarts_nothing(tmp_path, prestarts):
 
 def test_a_process_with_torch_prestarts_nothing(tmp_path, monkeypatch):
     asked = _Asked()
-    monkeypatch.setattr("rollflow.cluster.runtime.prestart_ray", asked)
+    monkeypatch.setattr("rollflow.cluster.prestart.prestart_ray", asked)
     assert "torch" in sys.modules  # a test process, a notebook: nothing left to overlap
     cli._prestart_ray(_config(tmp_path, "name: a\n"), [])
     assert asked == []
@@ -84,7 +84,7 @@ def test_the_warm_worker_is_told_the_config_s_model(tmp_path, prestarts):
 
 FRESH = """
 import sys
-from rollflow.cluster import runtime
+from rollflow.cluster import prestart
 
 def prestart_ray(num_cpus, warm_up=None, warm_up_env=None):
     print("PRESTART", num_cpus, "torch" in sys.modules, flush=True)
@@ -93,8 +93,8 @@ def wait_for_prestarted_ray():
     print("WAIT", "torch" in sys.modules, flush=True)
     raise SystemExit(0)
 
-runtime.prestart_ray = prestart_ray
-runtime.wait_for_prestarted_ray = wait_for_prestarted_ray
+prestart.prestart_ray = prestart_ray
+prestart.wait_for_prestarted_ray = wait_for_prestarted_ray
 from rollflow.cli import main
 main(sys.argv[1:])
 """

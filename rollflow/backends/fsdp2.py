@@ -35,14 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollflow.backends.base import (
-    LossFn,
-    TrainerSettings,
-    TrainingBackendBase,
-    build_model,
-    load_scheduler_state,
-    save_training_state,
-)
+from rollflow.backends.backend_base import TrainingBackendBase
+from rollflow.backends.base import LossFn, TrainerSettings
+from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state
 from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
 from rollflow.models import DTYPES, load_causal_lm

@@ -21,14 +21,9 @@ from pathlib import Path
 
 import torch
 
-from rollflow.backends.base import (
-    LossFn,
-    TrainerSettings,
-    TrainingBackendBase,
-    build_model,
-    load_scheduler_state,
-    save_training_state,
-)
+from rollflow.backends.backend_base import TrainingBackendBase
+from rollflow.backends.base import LossFn, TrainerSettings
+from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm
 

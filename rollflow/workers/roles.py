@@ -30,7 +30,8 @@ from rollflow.cluster.groups import (
     reserve_bundles,
 )
 from rollflow.cluster.placement import PlacementPlan, plan_placement
-from rollflow.cluster.runtime import prestarted_ray_up, start_ray, stop_ray
+from rollflow.cluster.prestart import prestarted_ray_up
+from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.config import RoleConfig, RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError

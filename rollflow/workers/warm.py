@@ -1,5 +1,5 @@
 """The warm worker: what the idle worker of a Ray the command line started early imports before the run asks
-for it (`rollflow.cluster.runtime.prestart_ray`, `warm_up`).
+for it (`rollflow.cluster.prestart.prestart_ray`, `warm_up`).
 
 `rollflow train` starts Ray's head in a process of its own before it loads its config; that head's raylet
 also starts one idle Python worker. While the driver imports its own modules and checks its inputs, this
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from rollflow.cluster.runtime import is_warm_worker, lean_process
+from rollflow.cluster.ray_environment import is_warm_worker, lean_process
 from rollflow.spans import record
 
 SETUP_HOOK = "rollflow.workers.warm.setup_worker"  # what `prestart_ray(warm_up=...)` names

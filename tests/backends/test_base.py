@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from rollflow.backends import BACKENDS, backend_kwarg_names, check_backend_kwargs, create_backend
-from rollflow.backends.base import (
-    SETTINGS_FIELDS,
-    TrainerSettings,
-    TrainingBackend,
-    build_model,
-    build_optimizer,
-    micro_batch_rows,
-)
+from rollflow.backends.base import SETTINGS_FIELDS, TrainerSettings, TrainingBackend, micro_batch_rows
+from rollflow.backends.training_state import build_model, build_optimizer
 from rollflow.backends.value_model import ValueModel
 from rollflow.errors import ConfigError
 

@@ -81,7 +81,7 @@ def test_lr_schedule_warms_up_then_holds_or_decays():
 
 
 def test_offload_moves_weights_and_adam_state_and_guards_use(random_model_dir):
-    from rollflow.backends.base import move_training_state
+    from rollflow.backends.training_state import move_training_state
 
     backend = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8))
     loss = ActorLoss(AlgorithmConfig(), temperature=1.0)

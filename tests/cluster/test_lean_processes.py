@@ -11,7 +11,8 @@ import sys
 import pytest
 import ray
 
-from rollflow.cluster.runtime import WORKER_SETUP_HOOK, WORKER_SETUP_HOOK_VARIABLE, session_processes
+from rollflow.cluster.ray_environment import WORKER_SETUP_HOOK, WORKER_SETUP_HOOK_VARIABLE
+from rollflow.cluster.reaper import session_processes
 
 
 @ray.remote(num_cpus=0)
@@ -39,7 +40,7 @@ def test_a_local_ray_runs_no_log_monitor_process(ray_session):
 
 PRINTING_DRIVER = """
 import sys, ray
-from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.cluster.ray_session import start_ray, stop_ray
 
 @ray.remote(num_cpus=0)
 class Printer:

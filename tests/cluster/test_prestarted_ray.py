@@ -12,18 +12,18 @@ import time
 
 import pytest
 
-from rollflow.cluster.runtime import _start_time, session_processes
+from rollflow.cluster.reaper import _start_time, session_processes
 
 CONNECT = """
 import os, sys, time
 import ray
-from rollflow.cluster import runtime
+from rollflow.cluster import prestart, ray_session
 
-runtime.prestart_ray(int(sys.argv[1]))
-head = runtime._prestarted[0]
+prestart.prestart_ray(int(sys.argv[1]))
+head = prestart._prestarted[0]
 if sys.argv[3:] == ["wait"]:  # as the command line does: the head is up before the driver imports
-    print("UP", runtime.wait_for_prestarted_ray(), runtime.prestarted_ray_up(), flush=True)
-runtime.start_ray(None, int(sys.argv[2]))
+    print("UP", prestart.wait_for_prestarted_ray(), prestart.prestarted_ray_up(), flush=True)
+ray_session.start_ray(None, int(sys.argv[2]))
 session_dir = ray._private.worker._global_node.get_session_dir_path()
 
 @ray.remote(num_cpus=0)
@@ -32,9 +32,10 @@ def hello():
     return os.getpid()
 
 worker = ray.get(hello.remote())
-print("RESULT", session_dir, head.pid, runtime._reaper is head, ray.cluster_resources()["CPU"], worker, flush=True)
+print("RESULT", session_dir, head.pid, ray_session._reaper is head, ray.cluster_resources()["CPU"], worker,
+      flush=True)
 started = time.monotonic()
-runtime.stop_ray()
+ray_session.stop_ray()
 print("STOPPED", head.poll(), f"{time.monotonic() - started:.2f}", flush=True)
 """
 
@@ -107,12 +108,12 @@ def test_a_prestarted_head_with_other_cpus_is_ended_and_replaced():
 
 ABANDON = """
 import sys, time
-from rollflow.cluster import runtime
+from rollflow.cluster import prestart
 
-runtime.prestart_ray(1)
-print(runtime._prestarted[0].pid, flush=True)
+prestart.prestart_ray(1)
+print(prestart._prestarted[0].pid, flush=True)
 if sys.argv[1] == "discard":
-    runtime.discard_prestarted_ray()
+    prestart.discard_prestarted_ray()
     print("discarded", flush=True)
 time.sleep(300)
 """
@@ -156,12 +157,12 @@ def test_no_prestarted_process_outlives_its_driver(how):
 WARM = """
 import json, os, sys
 import ray
-from rollflow.cluster import runtime
+from rollflow.cluster import prestart, ray_session
 from rollflow.workers import warm
 
-runtime.prestart_ray(1, warm_up=warm.SETUP_HOOK, warm_up_env={warm.MODEL_VARIABLE: "tiny"})
-assert runtime.wait_for_prestarted_ray()  # as the command line does
-how = runtime.start_ray(None, 1)
+prestart.prestart_ray(1, warm_up=warm.SETUP_HOOK, warm_up_env={warm.MODEL_VARIABLE: "tiny"})
+assert prestart.wait_for_prestarted_ray()  # as the command line does
+how = ray_session.start_ray(None, 1)
 
 @ray.remote(num_cpus=0)
 class Probe:
@@ -172,7 +173,7 @@ class Probe:
 
 probes = [Probe.remote(), Probe.remote()]
 print("RESULT", how, json.dumps(ray.get([probe.report.remote() for probe in probes])), flush=True)
-runtime.stop_ray()
+ray_session.stop_ray()
 """
 
 

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from rollflow.cluster.runtime import _start_time, session_processes
+from rollflow.cluster.reaper import _start_time, session_processes
 
 DRIVER = """
 import os, time
 import ray
-from rollflow.cluster.runtime import start_ray, stop_ray
+from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.pipelines.interrupts import Interrupted, StopSignals
 
 @ray.remote(num_cpus=0)
@@ -99,7 +99,7 @@ def test_a_session_process_is_one_writing_under_the_session_dir(tmp_path):
 
 
 def test_end_processes_kills_what_ignores_sigterm():
-    from rollflow.cluster.runtime import end_processes
+    from rollflow.cluster.reaper import end_processes
 
     stubborn = _spawn(IGNORE_SIGTERM)
     started = time.monotonic()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.cluster.runtime import session_processes
+from rollflow.cluster.reaper import session_processes
 
 pytestmark = pytest.mark.slow
 

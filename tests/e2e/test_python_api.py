@@ -100,7 +100,7 @@ def test_ray_workers_import_user_modules_from_the_drivers_working_directory(tmp_
 
         import ray
 
-        from rollflow.cluster.runtime import start_ray, stop_ray
+        from rollflow.cluster.ray_session import start_ray, stop_ray
         from rollflow.rewards.registry import resolve_reward
 
         reward = resolve_reward("my_rewards:judge", {"bonus": 0.5})  # on the driver: imports ./my_rewards.py
