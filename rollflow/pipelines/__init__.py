@@ -1,8 +1,11 @@
-"""Driver loops, one per pipeline, and `PIPELINES`: what `rollflow train` dispatches through.
+"""The pipelines and `PIPELINES`: what `rollflow train` dispatches through.
 
-Each entry names the pipeline's config model (`rollflow.config.PIPELINE_CONFIGS` holds the same one), the
-roles a run of it needs (a function of its config) and its run function (imported on first use, so the CLI
-stays light). A new pipeline is one config model, one driver module and one entry here.
+One driver frame (`rollflow.pipelines.loop.run_pipeline`) runs every pipeline; a pipeline is a step object
+(`loop.PipelineStep`: `RLVRStep`, `AgenticStep`, `SFTStep` / `DPOStep` / `DistillStep`) and a run function
+that hands it to the frame. Each entry names the pipeline's config model (`rollflow.config.PIPELINE_CONFIGS`
+holds the same one), the roles a run of it needs (a function of its config) and its run function (imported on
+first use, so the CLI stays light). A new pipeline is one config model, one step class with its run function,
+and one entry here.
 """
 
 from __future__ import annotations

@@ -1,33 +1,27 @@
 """Agentic pipeline: play env groups -> advantages per episode or per step -> train -> sync -> eval.
 
-The driver owns the loop; env workers hold the environments, engine workers the policy, and `EnvRollout`
-plays the episodes between them (each env on its own, no barrier between envs). Evaluation plays one greedy
-episode per held-out seed and reports `eval/success`.
+The driver runs the frame (`rollflow.pipelines.loop`); `AgenticStep` says what a step is. Env workers hold the
+environments, engine workers the policy, and `EnvRollout` plays the episodes between them (each env on its own,
+no barrier between envs). Evaluation plays one greedy episode per held-out seed and reports `eval/success`.
 """
 
 from __future__ import annotations
 
 import sys
-import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollflow.cluster.colocation import ColocationManager
-from rollflow.cluster.runtime import pinned_threads
+from rollflow.cluster.groups import WorkerGroups
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import SampleStatus, collate
+from rollflow.data.sample import Sample, SampleStatus, collate
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
-from rollflow.pipelines.interrupts import StopSignals
+from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
 from rollflow.pipelines.preflight import context_length
-from rollflow.pipelines.run_directory import (
-    prepare_run_dir,
-    read_driver_state,
-    resume_point,
-    save_checkpoint,
-    write_placement,
-)
 from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import (
@@ -36,13 +30,9 @@ from rollflow.rollout.episodes import (
     failed_samples,
     no_episodes_error,
 )
-from rollflow.spans import record, span
-from rollflow.trackers import MetricsTracker
-from rollflow.trackers.plots import plot_curves
+from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
-from rollflow.trackers.timeline import STEP_SPAN, timeline_written
-from rollflow.trackers.trackers import CONSOLE_COLUMNS
-from rollflow.workers.roles import RoleLaunch
+from rollflow.trackers.trackers import AGENTIC_COLUMNS
 
 PHASES: dict[str, tuple[str, ...]] = {
     "rollout": ("actor_infer", "env"),
@@ -62,7 +52,6 @@ def agentic_roles(config: AgenticConfig) -> list[str]:
     return roles
 
 
-@pinned_threads(1)
 def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, float]:
     """Train a policy in an environment with multi-turn RL. Returns the final metrics (with the initial and
     final `eval/success`).
@@ -71,101 +60,142 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
         config: the run config.
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
-    model, began = config.model, time.time()
-    resume_point(config)  # a resume with nothing to resume fails before anything starts
-    roles = agentic_roles(config)
-    launch = RoleLaunch(config, roles, {"actor_train": ("policy_gradient",)}, manage_ray)  # starts meanwhile
-    with launch.cancelled_on_error():
-        check_model_files(model.path)  # a missing or cut-short weights file is named here, not by a worker
-        tokenizer = load_tokenizer(model.path, model.trust_remote_code)
-        encoder = TurnEncoder(tokenizer, config.env.system_prompt)
-        settings = rollout_settings(config, context_length(load_model_config(model.path, model.trust_remote_code)))
-        prepared = prepare_run_dir(config)
-    rollout = config.rollout
-    sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
-    greedy = SamplingParams(rollout.max_new_tokens, temperature=0.0)
-    eval_seeds = list(range(config.eval.seed_start, config.eval.seed_start + config.eval.episodes))
-    sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
+    return run_pipeline(AgenticStep(config), manage_ray)
 
-    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            launch.running(worker_spans.take_from) as groups:
-        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at,
-                                 columns=CONSOLE_COLUMNS[config.pipeline])
-        if prepared.note:
-            tracker.print(prepared.note)
-        tracker.print(groups.plan.describe())
-        write_placement(config.run_dir / "placement.json", groups)
-        colocation = ColocationManager(groups.plan, dict(groups), PHASES)
-        envs = EnvRollout(groups["actor_infer"].handles, groups["env"].handles, encoder, settings, sampling,
-                          config.seed)
-        advantages = EpisodeAdvantages(config.algorithm, rollout.samples)
-        first_step, initial_eval, version = 0, {}, 0
-        errors = EpisodeErrorWarnings()
-        try:
-            check_envs(groups["env"], config)
-            if prepared.resume_from:
-                state = read_driver_state(prepared.resume_from)
-                first_step, initial_eval = state["step"], state.get("initial_eval", {})
-                groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
-                envs.load_state(state["rollout"], first_step)
-                version = sync_weights(groups, colocation, *sync_args)["sync/version"]
-                tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
-            else:
-                initial_eval = evaluate(envs, colocation, eval_seeds, greedy, "eval at step 0", errors)
-                tracker.log(0, initial_eval)  # its line, `step 0/N  eval_success ...`, is the initial eval's
-            metrics: dict[str, float] = {}
-            for step in range(first_step + 1, config.train.steps + 1):
-                started, step_began = time.perf_counter(), time.time()
-                colocation.enter("rollout")
-                with span("rollout"):
-                    result = envs.next_batch(step, version)
-                logged = config.output.samples_logged_per_step
-                failed_logged = readable(failed_samples(result.failed[:logged]), tokenizer)  # why, for the log
-                if not result.groups:  # nothing to train on: say why, do not go on as if it were a step
-                    write_samples(config.run_dir / "samples.jsonl", step, failed_logged, len(failed_logged))
-                    raise no_episodes_error(f"step {step}", result.failed,
-                                            sum(len(group.episodes) for group in result.dropped), rollout.group_size)
-                warn(errors.lines(f"step {step}", result.failed))
-                episodes = [e for group in result.groups for e in group.episodes]
-                metrics = {**result.metrics, **episode_metrics(episodes, "rollout")}
-                with stop.critical():
-                    samples = episode_samples(episodes, {g.index: i for i, g in enumerate(result.groups)},
-                                              rollout.samples)
-                    if samples:  # none only if every turn was empty
-                        batch = collate(samples, tokenizer.pad_token_id)
-                        with span("advantages"):
-                            metrics.update(advantages(batch, samples, episodes))
-                        metrics.update(train_on(batch, groups, colocation, config))
-                        metrics.update(sync_weights(groups, colocation, *sync_args))
-                        version = int(metrics["sync/version"])
-                    metrics["train/samples"] = float(len(samples))
-                    metrics.update(colocation.pop_metrics())
-                    if step == config.train.steps or config.eval.every_steps and step % config.eval.every_steps == 0:
-                        metrics.update(evaluate(envs, colocation, eval_seeds, greedy, f"eval at step {step}", errors))
-                    metrics["time/step"] = time.perf_counter() - started
-                    tracker.log(step, metrics)
-                    written = readable(samples[:logged], tokenizer) + failed_logged
-                    write_samples(config.run_dir / "samples.jsonl", step, written, len(written))
-                    state = {"step": step, "rollout": envs.state(), "initial_eval": initial_eval}
-                    if step == config.train.steps or config.output.save_every_steps and \
-                            step % config.output.save_every_steps == 0:
-                        with span("checkpoint"):
-                            save_checkpoint(config.run_dir, groups, state)
-                    record(STEP_SPAN, step_began, time.time(), step=step)
-        except KeyboardInterrupt:
-            tracker.print("interrupted: resume=true continues from the newest checkpoint")
-            tracker.close()
-            raise
-        finally:
-            envs.close()
-        final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-        if "eval/success" in final and "initial_eval/success" in final:
-            tracker.print(f"eval success: {final['initial_eval/success']:.3f} at start -> "
-                          f"{final['eval/success']:.3f} after {config.train.steps} steps")
-        tracker.close()
-    # drawn once the workers stopped: drawing adds nothing to the run's peak memory
-    plot_curves(config.run_dir, ("rollout/return", "rollout/success", "eval/success"))
-    return final
+
+@dataclass
+class Played:
+    """A step's rollout: its groups' episodes, the failed ones made readable for the log, and (once trained)
+    the samples it trained on."""
+
+    result: object
+    episodes: list
+    failed_logged: list[Sample]
+    samples: list[Sample] = field(default_factory=list)
+
+
+class AgenticStep:
+    """An agentic step (`rollflow.pipelines.loop.PipelineStep`): `EnvRollout`'s next groups of episodes, their
+    samples' advantages, the actor update and the weight sync. `EnvRollout` is touched in `start`, `load`,
+    `rollout`, `evaluate`, `state` and `close`, one line each."""
+
+    objective = "policy_gradient"
+    phases = PHASES
+    columns = AGENTIC_COLUMNS
+    plot_keys = ("rollout/return", "rollout/success", "eval/success")
+
+    def __init__(self, config: AgenticConfig):
+        self.config = config
+        self.envs = None
+        self.version = 0  # of the weights the engines hold
+        self.errors = EpisodeErrorWarnings()
+        rollout = config.rollout
+        self.sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+        self.greedy = SamplingParams(rollout.max_new_tokens, temperature=0.0)
+        self.eval_seeds = list(range(config.eval.seed_start, config.eval.seed_start + config.eval.episodes))
+        self.sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
+
+    def roles(self) -> list[str]:
+        return agentic_roles(self.config)
+
+    def role_args(self) -> dict[str, tuple]:
+        return {"actor_train": (self.objective,)}
+
+    def launches_before_inputs(self) -> bool:
+        return True
+
+    def check_inputs(self, roles: list[str]) -> list[str]:
+        """The model's files (a missing or cut-short weights file is named here, not by a worker), its
+        tokenizer and context."""
+        model = self.config.model
+        check_model_files(model.path)
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt)
+        self.settings = rollout_settings(self.config,
+                                         context_length(load_model_config(model.path, model.trust_remote_code)))
+        return []
+
+    def start_lines(self) -> list[str]:
+        return []
+
+    def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
+        """The env rollout, then one env made and reset (`check_envs`) before anything is played."""
+        self.groups, self.colocation = groups, colocation
+        self.envs = EnvRollout(groups["actor_infer"].handles, groups["env"].handles, self.encoder, self.settings,
+                               self.sampling, self.config.seed)
+        self.advantages = EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
+        check_envs(groups["env"], self.config)
+
+    def load(self, checkpoint: Path, state: dict) -> str:
+        self.groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
+        self.envs.load_state(state["rollout"], state["step"])
+        self.version = sync_weights(self.groups, self.colocation, *self.sync_args)["sync/version"]
+        return ""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return evaluate(self.envs, self.colocation, self.eval_seeds, self.greedy, f"eval at step {step}",
+                        self.errors)
+
+    def state(self, step: int, initial_eval: dict) -> dict:
+        return {"step": step, "rollout": self.envs.state(), "initial_eval": initial_eval}
+
+    def rollout(self, step: int) -> tuple[Played, dict[str, float]]:
+        """The step's groups of episodes.
+
+        Raises:
+            StepFailedError: no group finished (the failed episodes' samples are logged first: why).
+        """
+        self.colocation.enter("rollout")
+        with span("rollout"):
+            result = self.envs.next_batch(step, self.version)
+        logged = self.config.output.samples_logged_per_step
+        failed_logged = readable(failed_samples(result.failed[:logged]), self.tokenizer)  # why, for the log
+        if not result.groups:  # nothing to train on: say why, do not go on as if it were a step
+            write_samples(self.config.run_dir / "samples.jsonl", step, failed_logged, len(failed_logged))
+            raise no_episodes_error(f"step {step}", result.failed,
+                                    sum(len(group.episodes) for group in result.dropped),
+                                    self.config.rollout.group_size)
+        warn(self.errors.lines(f"step {step}", result.failed))
+        episodes = [e for group in result.groups for e in group.episodes]
+        return Played(result, episodes, failed_logged), {**result.metrics, **episode_metrics(episodes, "rollout")}
+
+    def train(self, step: int, work: Played) -> dict[str, float]:
+        """The episodes' samples, their advantages, the actor update and the weight sync."""
+        work.samples = episode_samples(work.episodes, {g.index: i for i, g in enumerate(work.result.groups)},
+                                       self.config.rollout.samples)
+        metrics: dict[str, float] = {}
+        if work.samples:  # none only if every turn was empty
+            batch = collate(work.samples, self.tokenizer.pad_token_id)
+            with span("advantages"):
+                metrics.update(self.advantages(batch, work.samples, work.episodes))
+            metrics.update(train_on(batch, self.groups, self.colocation, self.config))
+            metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args))
+            self.version = int(metrics["sync/version"])
+        metrics["train/samples"] = float(len(work.samples))
+        return metrics
+
+    def position(self, step: int) -> dict[str, float]:
+        return {}
+
+    def stop_reason(self, metrics: dict[str, float]) -> str:
+        return ""
+
+    def logged_samples(self, work: Played) -> list[Sample]:
+        return readable(work.samples[: self.config.output.samples_logged_per_step], self.tokenizer) \
+            + work.failed_logged
+
+    def after_run(self, progress: Progress) -> dict[str, float]:
+        return {}
+
+    def summary_lines(self, final: dict[str, float], progress: Progress) -> list[str]:
+        if "eval/success" not in final or "initial_eval/success" not in final:
+            return []
+        return [f"eval success: {final['initial_eval/success']:.3f} at start -> "
+                f"{final['eval/success']:.3f} after {self.config.train.steps} steps"]
+
+    def close(self) -> None:
+        if self.envs is not None:
+            self.envs.close()
 
 
 def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRolloutSettings:
@@ -248,4 +278,3 @@ def warn(lines: list[str]) -> None:
     """Print warning lines on stderr, as the other run-time warnings are."""
     for line in lines:
         print(f"rollflow: warning: {line}", file=sys.stderr, flush=True)
-

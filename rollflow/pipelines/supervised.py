@@ -4,18 +4,19 @@ eval, one optimizer step per step, on the same workers, placement and run direct
 The three differ only in the trainer's objective (`rollflow.workers.objectives`: `nll`, `preference`,
 `distill`) and in what a batch carries to it: DPO rows alternate chosen and rejected with the reference's
 log-probs; distillation rows carry the teacher's top-k log-probs, computed on the `reference` worker (the
-teacher, `roles.reference.model_path`) and sent with the batch to the student's ranks.
+teacher, `roles.reference.model_path`) and sent with the batch to the student's ranks. Each is a step class
+(`SFTStep`, `DPOStep`, `DistillStep`, on `SupervisedStep`) that the driver frame (`rollflow.pipelines.loop`)
+runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import shutil
-import sys
-import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,11 +24,10 @@ from rollflow.algorithms.preference import preference_metrics, sequence_logprob_
 from rollflow.backends.base import unpack_top_k
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
-from rollflow.cluster.runtime import pinned_threads
 from rollflow.data.sample import Batch, Sample, collate
 from rollflow.data.supervised import shuffled_batches
 from rollflow.engines.base import SamplingParams
-from rollflow.pipelines.interrupts import StopSignals
+from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import (
     check_group_by,
     eval_summary_lines,
@@ -36,22 +36,13 @@ from rollflow.pipelines.phases import (
     rollout_scheduler,
     sync_weights,
 )
-from rollflow.pipelines.run_directory import (
-    prepare_run_dir,
-    read_driver_state,
-    resume_point,
-    save_checkpoint,
-    write_placement,
-)
 from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
-from rollflow.spans import record, span
-from rollflow.trackers import MetricsTracker
+from rollflow.registry import Registry
+from rollflow.spans import span
 from rollflow.trackers.durable_files import disk_full_as_error
-from rollflow.trackers.plots import plot_curves
-from rollflow.trackers.timeline import STEP_SPAN, timeline_written
-from rollflow.trackers.trackers import CONSOLE_COLUMNS
+from rollflow.trackers.trackers import DPO_COLUMNS, SUPERVISED_COLUMNS
 from rollflow.workers.objectives import pair_logratios
-from rollflow.workers.roles import RoleLaunch, forward_rows
+from rollflow.workers.roles import forward_rows
 
 PHASES: dict[str, tuple[str, ...]] = {
     "reference": ("reference",),  # DPO's reference log-probs, distillation's teacher
@@ -60,22 +51,15 @@ PHASES: dict[str, tuple[str, ...]] = {
     "rollout": ("actor_infer",),  # the greedy eval
     "checkpoint": ("actor_train",),
 }
-OBJECTIVES = {"sft": "nll", "dpo": "preference", "distill": "distill"}
 EVAL_BATCH_ROWS = 256  # rows per eval forward call
 
 
 def supervised_roles(config) -> list[str]:
     """actor_train; the reference (DPO without LoRA) or the teacher (distillation); actor_infer for the greedy
     eval."""
-    roles = ["actor_train"]
-    if config.pipeline == "distill" or config.pipeline == "dpo" and config.roles.actor_train.lora is None:
-        roles.append("reference")
-    if config.eval.greedy_accuracy:
-        roles.append("actor_infer")
-    return roles
+    return SUPERVISED_STEPS[config.pipeline](config).roles()
 
 
-@pinned_threads(1)
 def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
     """Run an SFT, DPO or distillation config. Returns the final metrics (with `initial_eval/...`).
 
@@ -83,108 +67,226 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
-    roles, began = supervised_roles(config), time.time()
-    resume_point(config)  # a resume with nothing to resume fails before anything starts
-    role_args = {"actor_train": (OBJECTIVES[config.pipeline],)}
-    # The workers start while the inputs are checked, unless their config waits on the data (`train.epochs`
-    # becomes a step count, which the trainer's schedule reads).
-    launch = RoleLaunch(config, roles, role_args, manage_ray) if config.train.epochs is None else None
-    with launch.cancelled_on_error() if launch else contextlib.nullcontext():
-        with span("check inputs"):
-            inputs = check_supervised_inputs(config, roles)
-            check_group_by(inputs.eval_prompts, config.eval.group_by)
-        for warning in inputs.warnings:
-            print(f"rollflow: warning: {warning}", file=sys.stderr)
-        config = with_resolved_steps(config, len(inputs.train))
-        warning = repetition_warning(config, len(inputs.train))
-        if warning:
-            print(f"rollflow: warning: {warning}", file=sys.stderr)
-        prepared = prepare_run_dir(config)
-    pad = inputs.tokenizer.pad_token_id
-    launch = launch or RoleLaunch(config, roles, role_args, manage_ray)
-    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            launch.running(worker_spans.take_from) as groups:
-        tracker = MetricsTracker(config.run_dir, config.output.trackers, config.train.steps, prepared.resumed_at,
-                                 columns=CONSOLE_COLUMNS[config.pipeline])
-        if prepared.note:
-            tracker.print(prepared.note)
-        tracker.print(groups.plan.describe())
-        tracker.print(describe_data(config, inputs))
-        write_placement(config.run_dir / "placement.json", groups)
-        colocation = ColocationManager(groups.plan, dict(groups), PHASES)
-        scheduler = rollout_scheduler(config, groups, inputs.tokenizer) if "actor_infer" in groups else None
-        batches = shuffled_batches(inputs.train, config.train.batch_size, config.seed, config.data.shuffle)
-        first_step, initial_eval = 0, {}
-        best = BestCheckpoint(config)
-        if prepared.resume_from:
-            state = read_driver_state(prepared.resume_from)
-            first_step, initial_eval = state["step"], state.get("initial_eval", {})
-            best.restore(state.get("best"))
-            groups["actor_train"].call("load", str(prepared.resume_from / "model"), first_step)
-            for _ in range(first_step):  # the data position: one batch per step
-                next(batches)
-            tracker.print(f"resumed from {prepared.resume_from} at step {first_step}")
-        else:
-            initial_eval = evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, 0)
-            tracker.log(0, initial_eval)  # the console's step-0 line shows it
-            best.update(0, initial_eval, groups)
+    return run_pipeline(SUPERVISED_STEPS[config.pipeline](config), manage_ray)
 
+
+class SupervisedStep:
+    """A supervised step (`rollflow.pipelines.loop.PipelineStep`): the next batch of rows (with what the
+    objective needs besides), one optimizer step; evals of the loss (and with `eval.greedy_accuracy` the greedy
+    decode) on the eval rows and the validation split, which keep the best checkpoint
+    (`train.best_checkpoint_metric`) and can end the run (`train.early_stopping_patience`,
+    `train.stop_at_accuracy`). SFT as it is; `DPOStep` and `DistillStep` say what differs.
+
+    Attributes:
+        objective: the trainer's objective (`rollflow.workers.objectives.OBJECTIVES`).
+    """
+
+    objective = "nll"
+    phases = PHASES
+    columns = SUPERVISED_COLUMNS
+    plot_keys = ("loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy")
+
+    def __init__(self, config):
+        self.config = config
+        self.patience_ran_out = ""  # the last eval's `BestCheckpoint.update`
+
+    def roles(self) -> list[str]:
+        """actor_train; the reference or teacher when the step needs one; actor_infer for the greedy eval."""
+        roles = ["actor_train"]
+        if self.needs_reference():
+            roles.append("reference")
+        if self.config.eval.greedy_accuracy:
+            roles.append("actor_infer")
+        return roles
+
+    def needs_reference(self) -> bool:
+        return False
+
+    def role_args(self) -> dict[str, tuple]:
+        return {"actor_train": (self.objective,)}
+
+    def launches_before_inputs(self) -> bool:
+        """The workers start while the inputs are checked, unless their config waits on the data
+        (`train.epochs` becomes a step count, which the trainer's schedule reads)."""
+        return self.config.train.epochs is None
+
+    def check_inputs(self, roles: list[str]) -> list[str]:
+        """Every row encoded and checked (`check_supervised_inputs`); `train.epochs` resolved to steps."""
+        self.inputs = check_supervised_inputs(self.config, roles)
+        check_group_by(self.inputs.eval_prompts, self.config.eval.group_by)
+        self.config = with_resolved_steps(self.config, len(self.inputs.train))
+        warning = repetition_warning(self.config, len(self.inputs.train))
+        return self.inputs.warnings + ([warning] if warning else [])
+
+    def start_lines(self) -> list[str]:
+        return [describe_data(self.config, self.inputs)]
+
+    def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
+        config = self.config
+        self.groups, self.colocation, self.pad = groups, colocation, self.inputs.tokenizer.pad_token_id
+        self.scheduler = rollout_scheduler(config, groups, self.inputs.tokenizer) if "actor_infer" in groups else None
+        self.batches = shuffled_batches(self.inputs.train, config.train.batch_size, config.seed, config.data.shuffle)
+        self.best = BestCheckpoint(config)
+
+    def load(self, checkpoint: Path, state: dict) -> str:
+        self.best.restore(state.get("best"))
+        self.groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
+        for _ in range(state["step"]):  # the data position: one batch per step
+            next(self.batches)
+        return ""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The eval and validation metrics (`evaluate_splits`); a new best is kept (`BestCheckpoint`)."""
+        metrics = self.evaluate_splits(step)
+        self.patience_ran_out = self.best.update(step, metrics, self.groups)  # first: the best is kept either way
+        return metrics
+
+    def stop_reason(self, metrics: dict[str, float]) -> str:
+        return reached_target(self.config, metrics) or self.patience_ran_out
+
+    def state(self, step: int, initial_eval: dict) -> dict:
+        return {"step": step, "initial_eval": initial_eval, "best": self.best.state()}
+
+    def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """The step's batch of rows (no rollout: the rows are the data)."""
+        with span("batch"):
+            return self.training_batch(next(self.batches)), {}
+
+    def train(self, step: int, work: Batch) -> dict[str, float]:
+        self.colocation.enter("train")
+        with span("train"):
+            return self.groups["actor_train"].call("train", work)
+
+    def position(self, step: int) -> dict[str, float]:
+        return {"epoch": step * self.config.train.batch_size / len(self.inputs.train)}
+
+    def logged_samples(self, work: Batch) -> None:
+        return None  # the rows are the data: nothing generated to show
+
+    def after_run(self, progress: Progress) -> dict[str, float]:
+        """The best checkpoint's eval (`BestCheckpoint.evaluate`), when one was kept."""
+        if self.best.step is None:
+            return {}
+        return self.best.evaluate(self.groups, self.colocation, self.evaluate_splits, progress.finished_step,
+                                  progress.metrics)
+
+    def summary_lines(self, final: dict[str, float], progress: Progress) -> list[str]:
+        model = self.config.run_dir / "checkpoints" / f"step_{progress.saved_step}" / "model"
+        lines = [describe_eval(f"after {progress.finished_step} steps", progress.metrics) + f"; checkpoint {model}"]
+        lines += eval_summary_lines(final, progress.finished_step)
+        return lines + ([self.best.describe(final)] if self.best.step is not None else [])
+
+    def close(self) -> None:
+        pass
+
+    def training_batch(self, items: list[Item]) -> Batch:
+        """The batch the trainer's objective reads: SFT's samples as they are."""
+        return collate(items, self.pad)
+
+    def eval_losses(self, items: list[Item]) -> dict[str, float]:
+        """`eval/` loss metrics of `items` (not empty): the NLL of the responses per token."""
+        self.colocation.enter("train")
+        total, tokens = 0.0, 0.0
+        for start in range(0, len(items), EVAL_BATCH_ROWS):
+            batch = collate(items[start: start + EVAL_BATCH_ROWS], self.pad)
+            logprobs = self.groups["actor_train"].call("compute_logprobs", batch)  # [b, T]
+            total -= float((logprobs * batch.response_mask).sum())
+            tokens += float(batch.response_mask.sum())
+        return {"eval/loss": total / max(tokens, 1.0)}
+
+    def evaluate_splits(self, step: int, validation: bool = True, keep_samples: bool = True) -> dict[str, float]:
+        """`eval/` metrics on the eval rows (the test set) and, with `validation`, `val/` metrics on the validation
+        split: the loss (`eval_losses`), and with `eval.greedy_accuracy` the greedy decode scored by `reward`. The
+        engines get the trainer's weights once, after both losses; the eval's accuracy is broken down by
+        `eval.group_by`, and its decoded samples go to `eval_samples.jsonl` (with `keep_samples`)."""
+        config, inputs = self.config, self.inputs
+        splits = {"eval": (inputs.eval, inputs.eval_prompts)}
+        if validation:
+            splits["val"] = (inputs.validation, inputs.validation_prompts)
+        found = {name: self.eval_losses(items) if items else {} for name, (items, _) in splits.items()}
         metrics: dict[str, float] = {}
-        finished = {"step": first_step, "initial_eval": initial_eval, "best": best.state()}
-        saved_step, stopped = first_step, ""
-        try:
-            for step in range(first_step + 1, config.train.steps + 1):
-                started, step_began = time.perf_counter(), time.time()
-                with span("batch"):
-                    batch = training_batch(next(batches), config, groups, colocation, pad)
-                with stop.critical():
-                    colocation.enter("train")
-                    with span("train"):
-                        metrics = groups["actor_train"].call("train", batch)
-                    metrics.update(colocation.pop_metrics())
-                    last = step == config.train.steps
-                    metrics["epoch"] = step * config.train.batch_size / len(inputs.train)
-                    if last or config.eval.every_steps and step % config.eval.every_steps == 0:
-                        metrics.update(evaluate_supervised(config, groups, colocation, scheduler, inputs, pad, step))
-                        stopped = best.update(step, metrics, groups)  # first: the best is kept either way
-                        stopped = reached_target(config, metrics) or stopped
-                        last = last or bool(stopped)
-                    metrics["time/step"] = time.perf_counter() - started
-                    tracker.log(step, metrics)
-                    finished = {"step": step, "initial_eval": initial_eval, "best": best.state()}
-                    if last or config.output.save_every_steps and step % config.output.save_every_steps == 0:
-                        with span("checkpoint"):
-                            save_checkpoint(config.run_dir, groups, finished)
-                        saved_step = step
-                    record(STEP_SPAN, step_began, time.time(), step=step)
-                if last:
-                    break
-        except KeyboardInterrupt:
-            if config.output.save_on_interrupt and finished["step"] > saved_step:
-                tracker.print(f"interrupted: saving step {finished['step']} (interrupt again to skip it)")
-                colocation.enter("checkpoint")
-                save_checkpoint(config.run_dir, groups, finished)
-            tracker.print(f"interrupted after step {finished['step']}: resume=true continues from the newest "
-                          "checkpoint")
-            tracker.close()
-            raise
+        if self.scheduler is not None and any(prompts for _, prompts in splits.values()):
+            bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
+            metrics.update(sync_weights(self.groups, self.colocation, bucket, config.checks.weight_checksum))
+            greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
+            for name, (_, prompts) in splits.items():
+                if prompts:
+                    samples_path = config.run_dir / "eval_samples.jsonl" if keep_samples else None
+                    extra = (config.eval.group_by, samples_path) if name == "eval" else ()
+                    found[name].update(evaluate(self.scheduler, self.colocation, prompts, greedy, step, *extra))
+        metrics.update(found["eval"])
+        metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.get("val", {}).items()})
+        return metrics
 
-        final = {**{f"initial_{k}": v for k, v in initial_eval.items()}, **metrics}
-        if stopped and finished["step"] < config.train.steps:
-            tracker.print(f"stopped after step {finished['step']} of {config.train.steps}: {stopped}")
-        tracker.print(describe_eval(f"after {finished['step']} steps", metrics)
-                      + f"; checkpoint {config.run_dir / 'checkpoints' / f'step_{saved_step}' / 'model'}")
-        for line in eval_summary_lines(final, finished["step"]):
-            tracker.print(line)
-        if best.step is not None:
-            final.update(best.evaluate(config, groups, colocation, scheduler, inputs, pad, finished["step"], metrics))
-            tracker.print(best.describe(final))
-        tracker.close()
-    # drawn once the workers stopped: drawing adds nothing to the run's peak memory
-    # DPO's `loss` is a surrogate with the right gradient (`objectives.PreferenceLoss`): plot the real one
-    plot_curves(config.run_dir, ("dpo/loss" if config.pipeline == "dpo" else "loss", "eval/loss", "eval/accuracy",
-                                 "eval/dpo/reward_accuracy"))
-    return final
+
+class SFTStep(SupervisedStep):
+    """SFT: the NLL of the rows' responses."""
+
+
+class DPOStep(SupervisedStep):
+    """DPO: each row a (chosen, rejected) pair, trained against the reference's log-probs (the base model inside
+    actor_train with LoRA). Its `loss` is a surrogate with the right gradient (`objectives.PreferenceLoss`):
+    the console and the curves show the real one, `dpo/loss`."""
+
+    objective = "preference"
+    columns = DPO_COLUMNS
+    plot_keys = ("dpo/loss", "eval/loss", "eval/accuracy", "eval/dpo/reward_accuracy")
+
+    def needs_reference(self) -> bool:
+        return self.config.roles.actor_train.lora is None
+
+    def training_batch(self, items: list[Item]) -> Batch:
+        """The pairs as alternating chosen, rejected rows with `ref_logprobs`."""
+        batch = collate([sample for pair in items for sample in pair], self.pad)
+        batch.extras["ref_logprobs"] = reference_logprobs(batch, self.groups, self.colocation,
+                                                          self.config.roles.reference.backend, "train")
+        return batch
+
+    def eval_losses(self, items: list[Item]) -> dict[str, float]:
+        """The preference metrics of the pairs against the reference, as `eval/dpo/...`."""
+        chosen, rejected = [], []
+        for start in range(0, len(items), EVAL_BATCH_ROWS // 2):
+            batch = collate([s for pair in items[start: start + EVAL_BATCH_ROWS // 2] for s in pair], self.pad)
+            reference = reference_logprobs(batch, self.groups, self.colocation, self.config.roles.reference.backend,
+                                           "train")
+            self.colocation.enter("train")
+            policy = self.groups["actor_train"].call("compute_logprobs", batch)
+            pair = pair_logratios(sequence_logprob_sums(policy, batch.response_mask),
+                                  sequence_logprob_sums(reference, batch.response_mask))
+            chosen.append(pair[0])
+            rejected.append(pair[1])
+        found = preference_metrics(torch.cat(chosen), torch.cat(rejected), self.config.dpo.beta)
+        return {f"eval/{key}": value for key, value in found.items()}
+
+
+class DistillStep(SupervisedStep):
+    """Logit distillation: the student's rows with the teacher's (the `reference` worker's) top-k log-probs;
+    with `distill.on_prompts` the prompts are distilled too."""
+
+    objective = "distill"
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def training_batch(self, items: list[Item]) -> Batch:
+        """The samples with the teacher's top-k log-probs (`teacher_ids`, `teacher_logprobs`)."""
+        settings = self.config.distill
+        samples = [prompt_distillation_sample(s) for s in items] if settings.on_prompts else items
+        batch = collate(samples, self.pad)
+        if settings.on_prompts:
+            batch.extras["ce_mask"] = response_column_mask(samples, batch)
+        self.colocation.enter("reference")
+        packed = forward_rows(self.groups["reference"], self.config.roles.reference.backend, "compute_top_k", batch,
+                              settings.top_k, settings.temperature)  # [B, T, 2k]
+        batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = unpack_top_k(packed)
+        return batch
+
+
+# Each supervised pipeline's step class.
+SUPERVISED_STEPS: Registry[type[SupervisedStep]] = Registry("supervised pipeline")
+SUPERVISED_STEPS.register("sft")(SFTStep)
+SUPERVISED_STEPS.register("dpo")(DPOStep)
+SUPERVISED_STEPS.register("distill")(DistillStep)
 
 
 def with_resolved_steps(config, num_rows: int):
@@ -195,29 +297,6 @@ def with_resolved_steps(config, num_rows: int):
         return config
     steps = train.epochs * (num_rows // train.batch_size)
     return config.model_copy(update={"train": train.model_copy(update={"steps": steps, "epochs": None})})
-
-
-def training_batch(items: list[Item], config, groups: WorkerGroups, colocation: ColocationManager,
-                   pad_token_id: int) -> Batch:
-    """The batch the trainer's objective reads: SFT's samples as they are; DPO's pairs as alternating chosen,
-    rejected rows with `ref_logprobs`; distillation's samples with the teacher's top-k log-probs."""
-    if config.pipeline == "dpo":
-        batch = collate([sample for pair in items for sample in pair], pad_token_id)
-        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
-                                                          config.roles.reference.backend, "train")
-        return batch
-    if config.pipeline == "distill":
-        samples = [prompt_distillation_sample(s) for s in items] if config.distill.on_prompts else items
-        batch = collate(samples, pad_token_id)
-        if config.distill.on_prompts:
-            batch.extras["ce_mask"] = response_column_mask(samples, batch)
-        colocation.enter("reference")
-        settings = config.distill
-        packed = forward_rows(groups["reference"], config.roles.reference.backend, "compute_top_k", batch,
-                              settings.top_k, settings.temperature)  # [B, T, 2k]
-        batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = unpack_top_k(packed)
-        return batch
-    return collate(items, pad_token_id)
 
 
 def prompt_distillation_sample(sample: Sample) -> Sample:
@@ -238,62 +317,6 @@ def response_column_mask(samples: list[Sample], batch: Batch) -> torch.Tensor:
         values = sample.metadata["ce_mask"]
         mask[row, : len(values)] = torch.tensor(values, dtype=mask.dtype)
     return mask
-
-
-def evaluate_supervised(config, groups: WorkerGroups, colocation: ColocationManager, scheduler,
-                        inputs, pad_token_id: int, step: int, validation: bool = True,
-                        keep_samples: bool = True) -> dict[str, float]:
-    """`eval/` metrics on the eval rows (the test set) and, with `validation`, `val/` metrics on the validation
-    split: the loss (`row_losses`), and with `eval.greedy_accuracy` the greedy decode scored by `reward`. The
-    engines get the trainer's weights once, after both losses; the eval's accuracy is broken down by
-    `eval.group_by`, and its decoded samples go to `eval_samples.jsonl` (with `keep_samples`)."""
-    splits = {"eval": (inputs.eval, inputs.eval_prompts)}
-    if validation:
-        splits["val"] = (inputs.validation, inputs.validation_prompts)
-    found = {name: row_losses(config, groups, colocation, items, pad_token_id) for name, (items, _) in splits.items()}
-    metrics: dict[str, float] = {}
-    if scheduler is not None and any(prompts for _, prompts in splits.values()):
-        bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
-        metrics.update(sync_weights(groups, colocation, bucket, config.checks.weight_checksum))
-        greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
-        for name, (_, prompts) in splits.items():
-            if prompts:
-                samples_path = config.run_dir / "eval_samples.jsonl" if keep_samples else None
-                extra = (config.eval.group_by, samples_path) if name == "eval" else ()
-                found[name].update(evaluate(scheduler, colocation, prompts, greedy, step, *extra))
-    metrics.update(found["eval"])
-    metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.get("val", {}).items()})
-    return metrics
-
-
-def row_losses(config, groups: WorkerGroups, colocation: ColocationManager, items: list[Item],
-               pad_token_id: int) -> dict[str, float]:
-    """`eval/` loss metrics of `items`: SFT and distillation, the NLL of the responses per token; DPO, the
-    preference metrics against the reference. Empty without items."""
-    if not items:
-        return {}
-    actor = groups["actor_train"]
-    if config.pipeline == "dpo":
-        chosen, rejected = [], []
-        for start in range(0, len(items), EVAL_BATCH_ROWS // 2):
-            batch = collate([s for pair in items[start: start + EVAL_BATCH_ROWS // 2] for s in pair], pad_token_id)
-            reference = reference_logprobs(batch, groups, colocation, config.roles.reference.backend, "train")
-            colocation.enter("train")
-            policy = actor.call("compute_logprobs", batch)
-            pair = pair_logratios(sequence_logprob_sums(policy, batch.response_mask),
-                                  sequence_logprob_sums(reference, batch.response_mask))
-            chosen.append(pair[0])
-            rejected.append(pair[1])
-        found = preference_metrics(torch.cat(chosen), torch.cat(rejected), config.dpo.beta)
-        return {f"eval/{key}": value for key, value in found.items()}
-    colocation.enter("train")
-    total, tokens = 0.0, 0.0
-    for start in range(0, len(items), EVAL_BATCH_ROWS):
-        batch = collate(items[start: start + EVAL_BATCH_ROWS], pad_token_id)
-        logprobs = actor.call("compute_logprobs", batch)  # [b, T]
-        total -= float((logprobs * batch.response_mask).sum())
-        tokens += float(batch.response_mask.sum())
-    return {"eval/loss": total / max(tokens, 1.0)}
 
 
 def reached_target(config, metrics: dict[str, float]) -> str:
@@ -396,17 +419,17 @@ class BestCheckpoint:
             partial.rename(self.path)
         self.step, self.value, self.since = step, value, 0
 
-    def evaluate(self, config, groups: WorkerGroups, colocation: ColocationManager, scheduler, inputs,
-                 pad_token_id: int, last_step: int, last_metrics: dict[str, float]) -> dict[str, float]:
+    def evaluate(self, groups: WorkerGroups, colocation: ColocationManager,
+                 evaluate_splits: Callable[..., dict[str, float]], last_step: int,
+                 last_metrics: dict[str, float]) -> dict[str, float]:
         """The best checkpoint's `eval/` metrics (the test set), as `best/eval/...` with `best/step`: unless it is
         the last step's (`last_metrics`), its weights are loaded into the trainer for it (the run has ended, so
-        nothing trains on them)."""
+        nothing trains on them) and `evaluate_splits` (`SupervisedStep.evaluate_splits`) runs on them."""
         found = last_metrics
         if self.step != last_step:
             colocation.enter("train")
             groups["actor_train"].call("load", str(self.path / "model"), last_step + 1)
-            found = evaluate_supervised(config, groups, colocation, scheduler, inputs, pad_token_id, last_step + 1,
-                                        validation=False, keep_samples=False)
+            found = evaluate_splits(last_step + 1, validation=False, keep_samples=False)
         return {"best/step": self.step, f"best/{self.metric}": self.value,
                 **{f"best/{key}": value for key, value in found.items() if key.startswith("eval/")}}
 

@@ -31,6 +31,7 @@ from rollflow.pipelines.preflight import (
     resource_warnings,
     reward_columns,
 )
+from rollflow.registry import Registry
 
 # What a training item is: one sample (SFT, distillation) or a (chosen, rejected) pair (DPO).
 Item = Sample | tuple[Sample, Sample]
@@ -74,7 +75,7 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
     if reference_path is not None:
         check_model_files(reference_path)
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
-    if config.pipeline == "distill":
+    if ROW_FORMATS[config.pipeline].teacher:
         check_same_vocabulary(tokenizer, load_tokenizer(reference_path, model.trust_remote_code), reference_path)
     context = context_length(load_model_config(model.path, model.trust_remote_code))
     encoder = ConversationEncoder(tokenizer, data.messages_key, data.prompt_key, data.response_key,
@@ -221,52 +222,102 @@ def encode_row(encoder: ConversationEncoder, row: Row, where: str, config) -> It
     Raises:
         DataError: naming `where`: a bad row, characters the tokenizer drops or cannot represent
             (`check_represented`, the check RLVR prompts get).
-        DegenerateRowError: a row that trains on nothing (`degenerate_reason`).
+        DegenerateRowError: a row that trains on nothing (its row format's `degenerate_reason`).
     """
-    data = config.data
+    data, rows = config.data, ROW_FORMATS[config.pipeline]
     try:
-        if config.pipeline == "dpo":
-            for column in (data.chosen_key, data.rejected_key):
-                if not isinstance(row.get(column), str):
-                    present = ", ".join(sorted(row)) or "none"
-                    raise DataError(f"a preference row needs a string {column!r} column (its columns: {present})")
-            responses = [row[data.chosen_key], row[data.rejected_key]]
-        else:
-            responses = [None]  # the row's own
+        responses = rows.responses(row, data)
         samples = [encoder.encode(row, response) for response in responses]
     except DataError as err:
         raise DataError(f"{where}: {err}") from None
     for sample, response in zip(samples, responses, strict=True):
         check_represented(encoder.tokenizer, contents(row, data, response), sample.prompt_ids + sample.response_ids,
                           where, what="the row")
-    found = degenerate_reason(encoder, row, samples, responses, config)
+    found = rows.degenerate_reason(encoder, row, samples, responses, data)
     if found is not None:
         raise DegenerateRowError(where, *found)
-    return tuple(samples) if config.pipeline == "dpo" else samples[0]
+    return rows.item(samples)
 
 
-def degenerate_reason(encoder: ConversationEncoder, row: Row, samples: Sequence[Sample],
-                      responses: Sequence[str | None], config) -> tuple[str, str] | None:
-    """Why an encoded row trains on nothing or teaches the model to answer nothing, if it does.
+class ResponseRows:
+    """SFT and distillation rows: one sample each, trained on the row's own response.
 
-    A response is blank when it adds no trained token to the end-of-turn tokens (`has_blank_response`): empty,
-    or whitespace the template or tokenizer drops (whitespace that becomes tokens is a response). A DPO pair
-    is degenerate when a response is blank, or when chosen and rejected are the same tokens: their log-ratios
-    are then equal, the loss constant and its gradient 0 (text that differs only where it tokenizes
-    differently, as in whitespace, is a real pair).
-
-    Args:
-        encoder: the encoder that encoded the row.
-        row: the row as read.
-        samples: its samples: one, or DPO's chosen and rejected.
-        responses: the responses they were encoded with: `[None]` (the row's own), or chosen and rejected.
-        config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
-
-    Returns:
-        None for a good row; else what is wrong and what follows from it (the two halves of the message).
+    Attributes:
+        teacher: a teacher's log-probs come with the rows (distillation): its vocabulary must be the student's.
     """
-    data = config.data
-    if config.pipeline == "dpo":
+
+    def __init__(self, teacher: bool = False):
+        self.teacher = teacher
+
+    def responses(self, row: Row, data) -> list[str | None]:
+        """The responses a row is encoded with: the row's own."""
+        return [None]
+
+    def item(self, samples: list[Sample]) -> Item:
+        return samples[0]
+
+    def degenerate_reason(self, encoder: ConversationEncoder, row: Row, samples: Sequence[Sample],
+                          responses: Sequence[str | None], data) -> tuple[str, str] | None:
+        """Why an encoded row teaches the model to answer nothing: its response is blank, i.e. adds no trained
+        token to the end-of-turn tokens (`has_blank_response`): empty, or whitespace the template or tokenizer
+        drops (whitespace that becomes tokens is a response).
+
+        Args:
+            encoder: the encoder that encoded the row.
+            row: the row as read.
+            samples: its one sample.
+            responses: `[None]` (the row's own).
+            data: the config's `data` section.
+
+        Returns:
+            None for a good row; else what is wrong and what follows from it (the two halves of the message).
+        """
+        if not encoder.has_blank_response(row):
+            return None
+        answer = "training on it teaches the model to answer nothing"
+        if data.messages_key in row:  # a chat (the encoder read it as one, so its turns are well formed)
+            contents = [turn["content"] for turn in row[data.messages_key] if turn["role"] == "assistant"]
+            blank = "empty" if not any(contents) else "empty or only whitespace, which encodes to no token"
+            return f"every assistant turn (column {data.messages_key!r}) is {blank}", answer
+        return f"the response (column {data.response_key!r}) is {_blank(row[data.response_key])}", answer
+
+
+class PreferencePairs:
+    """DPO rows: a (chosen, rejected) pair of samples each, from the row's chosen and rejected columns."""
+
+    teacher = False
+
+    def responses(self, row: Row, data) -> list[str | None]:
+        """The chosen and rejected responses.
+
+        Raises:
+            DataError: a column missing or not a string.
+        """
+        for column in (data.chosen_key, data.rejected_key):
+            if not isinstance(row.get(column), str):
+                present = ", ".join(sorted(row)) or "none"
+                raise DataError(f"a preference row needs a string {column!r} column (its columns: {present})")
+        return [row[data.chosen_key], row[data.rejected_key]]
+
+    def item(self, samples: list[Sample]) -> Item:
+        return tuple(samples)
+
+    def degenerate_reason(self, encoder: ConversationEncoder, row: Row, samples: Sequence[Sample],
+                          responses: Sequence[str | None], data) -> tuple[str, str] | None:
+        """Why an encoded pair trains on nothing: a response is blank (`ResponseRows.degenerate_reason`), or
+        chosen and rejected are the same tokens: their log-ratios are then equal, the loss constant and its
+        gradient 0 (text that differs only where it tokenizes differently, as in whitespace, is a real pair).
+
+        Args:
+            encoder: the encoder that encoded the row.
+            row: the row as read.
+            samples: its chosen and rejected samples.
+            responses: the chosen and rejected responses they were encoded with.
+            data: the config's `data` section.
+
+        Returns:
+            None for a good pair; else what is wrong and what follows from it (the two halves of the message).
+        """
         pair = "a pair needs two non-empty responses"
         for name, column, response in (("chosen", data.chosen_key, responses[0]),
                                        ("rejected", data.rejected_key, responses[1])):
@@ -279,14 +330,13 @@ def degenerate_reason(encoder: ConversationEncoder, row: Row, samples: Sequence[
                     f"encode to the same tokens ({_shown(responses[0])} and {_shown(responses[1])})")
             return f"chosen and rejected {same}", "a pair must differ (DPO learns nothing from it)"
         return None
-    if not encoder.has_blank_response(row):
-        return None
-    answer = "training on it teaches the model to answer nothing"
-    if data.messages_key in row:  # a chat (the encoder read it as one, so its turns are well formed)
-        contents = [turn["content"] for turn in row[data.messages_key] if turn["role"] == "assistant"]
-        blank = "empty" if not any(contents) else "empty or only whitespace, which encodes to no token"
-        return f"every assistant turn (column {data.messages_key!r}) is {blank}", answer
-    return f"the response (column {data.response_key!r}) is {_blank(row[data.response_key])}", answer
+
+
+# How each supervised pipeline reads its rows.
+ROW_FORMATS: Registry[ResponseRows | PreferencePairs] = Registry("supervised pipeline")
+ROW_FORMATS.register("sft")(ResponseRows())
+ROW_FORMATS.register("distill")(ResponseRows(teacher=True))
+ROW_FORMATS.register("dpo")(PreferencePairs())
 
 
 def _blank(response: str) -> str:
