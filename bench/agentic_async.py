@@ -29,8 +29,8 @@ from rollflow.config import load_config
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.engines.base import SamplingParams
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.agentic import rollout_settings
-from rollflow.rollout.agentic import EnvRollout
+from rollflow.data.sample import SampleStatus
+from rollflow.pipelines.agentic import env_rollout, episode_settings
 from rollflow.workers.roles import start_roles
 
 
@@ -63,10 +63,10 @@ def main() -> None:
         }
         rollouts = {}
         for mode, update in modes.items():
-            settings = rollout_settings(config.model_copy(update={"rollout": config.rollout.model_copy(
-                update=update)}), 256)
-            rollouts[mode] = EnvRollout(groups["actor_infer"].handles, groups["env"].handles,
-                                        TurnEncoder(tokenizer), settings, SamplingParams(4), config.seed)
+            mode_config = config.model_copy(update={"rollout": config.rollout.model_copy(update=update)})
+            rollouts[mode] = env_rollout(mode_config, groups["actor_infer"].handles, groups["env"].handles,
+                                         TurnEncoder(tokenizer), episode_settings(mode_config, 256),
+                                         SamplingParams(4))
         rates: dict[str, list[float]] = {mode: [] for mode in rollouts}
         turns: dict[str, list[float]] = {mode: [] for mode in rollouts}
         for mode, rollout in rollouts.items():  # one mode at a time: the engine serves only it
@@ -75,9 +75,10 @@ def main() -> None:
             count = 0
             for step in range(2, args.repeats + 2):
                 result = rollout.next_batch(step, 0)
-                episodes = [e for group in result.groups for e in group.episodes]
+                episodes = [s for s in result.samples if s.status != SampleStatus.FAILED
+                            and s.status != SampleStatus.FILTERED]  # trajectory samples: one per episode
                 count += len(episodes)
-                turns[mode].append(sum(len(e.turns) for e in episodes) / max(len(episodes), 1))
+                turns[mode].append(sum(e.metadata["turns"] for e in episodes) / max(len(episodes), 1))
             # over all the steps: a play-ahead step can return at once with groups played during the last one
             rates[mode].append(count / (time.perf_counter() - started))
             rollout.close()

@@ -96,6 +96,20 @@ class AgenticRolloutConfig(Strict):
                     "at most this many policy versions ahead; a group with a token older than that is dropped "
                     "(`rollout/groups_stale`). 0: each step's groups are played from the current weights; a bound above "
                     "`train.steps` acts as `train.steps`.")
+    overprovision: float = Field(
+        default=1.0, ge=1.0,
+        description="Tail batching for env groups (synchronous runs): start ceil(overprovision x groups_per_step) "
+                    "groups, train on the first that finish, cut the rest (their turns are aborted) and play "
+                    "them together in a long round; 1: off. See [async.md](async.md).")
+    long_round_every: int = Field(
+        default=0, ge=0,
+        description="With `overprovision > 1`: every N-th step is a long round of the cut groups; 0: once they "
+                    "are `groups_per_step`.")
+    deterministic: bool = Field(
+        default=False,
+        description="Play each step's env groups in rounds: every turn of the step's episodes goes to the engines "
+                    "as one batch per engine, in (group, episode) order, whatever order the envs answer in (the "
+                    "same run gets the same batches); `false`: each turn is sent as soon as its env answers.")
     lockstep: bool = Field(
         default=False,
         description="Play a step's envs in lockstep (every env's turn waits for all others': the synchronous "

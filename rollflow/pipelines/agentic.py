@@ -1,8 +1,9 @@
 """Agentic pipeline: play env groups -> advantages per episode or per step -> train -> sync -> eval.
 
 The driver runs the frame (`rollflow.pipelines.loop`); `AgenticStep` says what a step is. Env workers hold the
-environments, engine workers the policy, and `EnvRollout` plays the episodes between them (each env on its own,
-no barrier between envs). Evaluation plays one greedy episode per held-out seed and reports `eval/success`.
+environments, engine workers the policy, and the rollout core plays env groups between them (`EnvGroups`: each
+env on its own, no barrier between envs) with the policy RLVR's prompt groups get. Evaluation plays one greedy
+episode per held-out seed and reports `eval/success`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
 from rollflow.pipelines.preflight import context_length
-from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
-from rollflow.rollout.episodes import (
-    EpisodeErrorWarnings,
-    episode_samples,
-    failed_samples,
-    no_episodes_error,
-)
+from rollflow.rollout.episodes import EpisodeErrorWarnings, episode_metrics, no_episodes_error
+from rollflow.rollout.filters import usable
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
 from rollflow.trackers.trackers import AGENTIC_COLUMNS
@@ -65,18 +63,15 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
 
 @dataclass
 class Played:
-    """A step's rollout: its groups' episodes, the failed ones made readable for the log, and (once trained)
-    the samples it trained on."""
+    """A step's rollout: the samples it trains on, and those of failed episodes made readable for the log."""
 
-    result: object
-    episodes: list
+    samples: list[Sample]
     failed_logged: list[Sample]
-    samples: list[Sample] = field(default_factory=list)
 
 
 class AgenticStep:
-    """An agentic step (`rollflow.pipelines.loop.PipelineStep`): `EnvRollout`'s next groups of episodes, their
-    samples' advantages, the actor update and the weight sync. `EnvRollout` is touched in `start`, `load`,
+    """An agentic step (`rollflow.pipelines.loop.PipelineStep`): the rollout core's next env groups, their
+    samples' advantages, the actor update and the weight sync. The core is touched in `start`, `load`,
     `rollout`, `evaluate`, `state` and `close`, one line each."""
 
     objective = "policy_gradient"
@@ -86,7 +81,7 @@ class AgenticStep:
 
     def __init__(self, config: AgenticConfig):
         self.config = config
-        self.envs = None
+        self.core = None
         self.version = 0  # of the weights the engines hold
         self.errors = EpisodeErrorWarnings()
         rollout = config.rollout
@@ -111,7 +106,7 @@ class AgenticStep:
         check_model_files(model.path)
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt)
-        self.settings = rollout_settings(self.config,
+        self.settings = episode_settings(self.config,
                                          context_length(load_model_config(model.path, model.trust_remote_code)))
         return []
 
@@ -119,58 +114,56 @@ class AgenticStep:
         return []
 
     def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
-        """The env rollout, then one env made and reset (`check_envs`) before anything is played."""
+        """The rollout core over env groups, then one env made and reset (`check_envs`) before anything is
+        played."""
         self.groups, self.colocation = groups, colocation
-        self.envs = EnvRollout(groups["actor_infer"].handles, groups["env"].handles, self.encoder, self.settings,
-                               self.sampling, self.config.seed)
+        self.core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
+                                self.settings, self.sampling)
+        self.eval_program = self.core.program.for_eval(self.greedy)
         self.advantages = EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
         check_envs(groups["env"], self.config)
 
     def load(self, checkpoint: Path, state: dict) -> str:
         self.groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
-        self.envs.load_state(state["rollout"], state["step"])
+        self.core.load_state(rollout_state(state["rollout"]))
         self.version = sync_weights(self.groups, self.colocation, *self.sync_args)["sync/version"]
         return ""
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return evaluate(self.envs, self.colocation, self.eval_seeds, self.greedy, f"eval at step {step}",
+        return evaluate(self.core, self.eval_program, self.colocation, self.eval_seeds, f"eval at step {step}",
                         self.errors)
 
     def state(self, step: int, initial_eval: dict) -> dict:
-        return {"step": step, "rollout": self.envs.state(), "initial_eval": initial_eval}
+        return {"step": step, "rollout": self.core.state(), "initial_eval": initial_eval}
 
     def rollout(self, step: int) -> tuple[Played, dict[str, float]]:
-        """The step's groups of episodes.
+        """The step's groups of episodes, as samples.
 
         Raises:
             StepFailedError: no group finished (the failed episodes' samples are logged first: why).
         """
         self.colocation.enter("rollout")
         with span("rollout"):
-            result = self.envs.next_batch(step, self.version)
+            result = self.core.next_batch(step, self.version)
         logged = self.config.output.samples_logged_per_step
-        failed_logged = readable(failed_samples(result.failed[:logged]), self.tokenizer)  # why, for the log
-        if not result.groups:  # nothing to train on: say why, do not go on as if it were a step
+        failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
+        failed_logged = readable(failed[:logged], self.tokenizer)  # why, for the log
+        samples = usable(result.samples)
+        if not samples:  # nothing to train on: say why, do not go on as if it were a step
             write_samples(self.config.run_dir / "samples.jsonl", step, failed_logged, len(failed_logged))
-            raise no_episodes_error(f"step {step}", result.failed,
-                                    sum(len(group.episodes) for group in result.dropped),
-                                    self.config.rollout.group_size)
-        warn(self.errors.lines(f"step {step}", result.failed))
-        episodes = [e for group in result.groups for e in group.episodes]
-        return Played(result, episodes, failed_logged), {**result.metrics, **episode_metrics(episodes, "rollout")}
+            played = {s.metadata["episode"] for s in result.samples if s.status == SampleStatus.FILTERED}
+            raise no_episodes_error(f"step {step}", failed, len(played), self.config.rollout.group_size)
+        warn(self.errors.lines(f"step {step}", failed))
+        return Played(samples, failed_logged), {**result.metrics, **episode_metrics(samples, "rollout")}
 
     def train(self, step: int, work: Played) -> dict[str, float]:
-        """The episodes' samples, their advantages, the actor update and the weight sync."""
-        work.samples = episode_samples(work.episodes, {g.index: i for i, g in enumerate(work.result.groups)},
-                                       self.config.rollout.samples)
-        metrics: dict[str, float] = {}
-        if work.samples:  # none only if every turn was empty
-            batch = collate(work.samples, self.tokenizer.pad_token_id)
-            with span("advantages"):
-                metrics.update(self.advantages(batch, work.samples, work.episodes))
-            metrics.update(train_on(batch, self.groups, self.colocation, self.config))
-            metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args))
-            self.version = int(metrics["sync/version"])
+        """The samples' advantages, the actor update and the weight sync."""
+        batch = collate(work.samples, self.tokenizer.pad_token_id)
+        with span("advantages"):
+            metrics = self.advantages(batch, work.samples)
+        metrics.update(train_on(batch, self.groups, self.colocation, self.config))
+        metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args))
+        self.version = int(metrics["sync/version"])
         metrics["train/samples"] = float(len(work.samples))
         return metrics
 
@@ -194,12 +187,12 @@ class AgenticStep:
                 f"{final['eval/success']:.3f} after {self.config.train.steps} steps"]
 
     def close(self) -> None:
-        if self.envs is not None:
-            self.envs.close()
+        if self.core is not None:
+            self.core.close()
 
 
-def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRolloutSettings:
-    """`EnvRolloutSettings` from the config; the context limit from the model unless the config sets one."""
+def episode_settings(config: AgenticConfig, model_context: int | None) -> EpisodeSettings:
+    """`EpisodeSettings` from the config; the context limit from the model unless the config sets one."""
     rollout = config.rollout
     limit = rollout.max_context_tokens or model_context or 4096
     if model_context is not None and limit > model_context:
@@ -208,13 +201,33 @@ def rollout_settings(config: AgenticConfig, model_context: int | None) -> EnvRol
     if rollout.max_new_tokens >= limit:
         raise ConfigError(f"rollout.max_new_tokens ({rollout.max_new_tokens}) leaves no room for a prompt in "
                           f"{limit} tokens of context")
-    return EnvRolloutSettings(
-        groups_per_step=rollout.groups_per_step, group_size=rollout.group_size,
-        group_redundancy=rollout.group_redundancy, refill_bound=rollout.refill_bound, samples=rollout.samples,
+    return EpisodeSettings(
+        group_size=rollout.group_size, group_redundancy=rollout.group_redundancy, samples=rollout.samples,
         history_turns=rollout.history_turns, max_turns=config.env.max_turns, max_context_tokens=limit,
+        step_timeout_s=config.env.step_timeout_s)
+
+
+def env_rollout(config: AgenticConfig, engines: list, env_workers: list, encoder: TurnEncoder,
+                settings: EpisodeSettings, sampling: SamplingParams) -> RolloutCore:
+    """The run's rollout core playing env groups: training seeds drawn below `eval.seed_start`, the group
+    policy per `rollout.*`."""
+    rollout = config.rollout
+    core_settings = CoreSettings(
+        rollout.groups_per_step,
         max_staleness=min(rollout.max_staleness, config.train.steps),  # none can be older than the run is long
-        lockstep=rollout.lockstep, step_timeout_s=config.env.step_timeout_s, watchdog_s=config.cluster.watchdog_s,
-        train_seed_bound=max(config.eval.seed_start, 1))
+        max_refill_groups=rollout.refill_bound, overprovision=rollout.overprovision,
+        long_round_every=rollout.long_round_every, deterministic=rollout.deterministic, lockstep=rollout.lockstep,
+        seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
+        watchdog_s=config.cluster.watchdog_s)
+    program = EnvGroups(env_workers, encoder, settings, sampling)
+    return RolloutCore(engines, program, SeedSource(config.seed, max(config.eval.seed_start, 1)), core_settings)
+
+
+def rollout_state(state: dict) -> dict:
+    """A checkpoint's rollout state; one written before the rollout core (`{"next_group": N}`) as the core's."""
+    if "next_group" not in state:
+        return state
+    return {"sampler": {"next": state["next_group"]}, "next_index": state["next_group"], "pending": []}
 
 
 def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig) -> dict[str, float]:
@@ -235,9 +248,9 @@ def readable(samples: list, tokenizer) -> list:
     return samples
 
 
-def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int], greedy: SamplingParams,
-             where: str, errors: EpisodeErrorWarnings) -> dict[str, float]:
-    """One greedy episode per held-out seed: `eval/success`, `eval/return`, ...
+def evaluate(core: RolloutCore, program: EnvGroups, colocation: ColocationManager, seeds: list[int], where: str,
+             errors: EpisodeErrorWarnings) -> dict[str, float]:
+    """One greedy episode per held-out seed (`program`: the eval envs, greedy): `eval/success`, `eval/return`, ...
 
     Raises:
         StepFailedError: every eval episode failed (a success rate of 0 would mean nothing).
@@ -246,12 +259,12 @@ def evaluate(envs: EnvRollout, colocation: ColocationManager, seeds: list[int], 
         return {}
     colocation.enter("rollout")
     with span("eval"):
-        episodes = envs.evaluate(seeds, greedy)
-    failed = [episode for episode in episodes if episode.status == SampleStatus.FAILED]
-    if len(failed) == len(episodes):
+        samples = core.evaluate(seeds, program)
+    failed = [sample for sample in samples if sample.status == SampleStatus.FAILED]
+    if len(failed) == len({s.metadata["episode"] for s in samples}):
         raise no_episodes_error(where, failed, 0, 1)
     warn(errors.lines(where, failed))
-    return {**episode_metrics(episodes, "eval"), "eval/episodes_failed": float(len(failed))}
+    return {**episode_metrics(samples, "eval"), "eval/episodes_failed": float(len(failed))}
 
 
 def check_envs(env_workers, config: AgenticConfig) -> None:

@@ -19,7 +19,7 @@ from rollflow.data.tables import JSON_SUFFIXES, PARQUET_SUFFIXES
 from rollflow.engines import check_engine_installed
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.pipelines.phases import check_group_by, eval_group_metrics, rollout_scheduler
+from rollflow.pipelines.phases import check_group_by, eval_group_metrics, prompt_rollout
 from rollflow.pipelines.preflight import check_inputs
 from rollflow.pipelines.run_directory import check_run_dir_writable, prepare_run_dir
 from rollflow.rollout.metrics import rollout_metrics
@@ -53,9 +53,12 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     check_group_by(prompts, config.eval.group_by)
     print(describe_eval_set(data, prompts), flush=True)  # before the workers start: what the numbers will be of
     with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
-        scheduler = rollout_scheduler(config, groups, tokenizer)
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
-        samples = scheduler.generate(prompts, greedy).samples
+        core = prompt_rollout(config, groups, tokenizer, sampling=greedy)
+        try:
+            samples = core.evaluate(prompts, core.program)
+        finally:
+            core.close()
     # prepared once there is something to write: an eval that fails leaves an earlier one where it was
     prepared = prepare_run_dir(config)
     if prepared.note:  # an earlier eval moved aside (the note's `resume=true` advice is for training runs)

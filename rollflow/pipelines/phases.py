@@ -1,5 +1,5 @@
 """Phases of a step that more than one pipeline runs, as functions of explicit arguments: weight sync from
-the trainer to the engines, and greedy evaluation through the rollout scheduler (its metrics, broken down by
+the trainer to the engines, and greedy evaluation through the rollout core (its metrics, broken down by
 `eval.group_by` columns, and its samples written to `eval_samples.jsonl`)."""
 
 from __future__ import annotations
@@ -15,45 +15,45 @@ import torch
 
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
-from rollflow.config import RLVRConfig
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import Sample
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import is_correct, rollout_metrics
-from rollflow.rollout.scheduler import RolloutScheduler
-from rollflow.rollout.stream import RolloutStream, Sampler, StreamSettings
+from rollflow.rollout.core import CoreSettings, RolloutCore, Source
+from rollflow.rollout.prompt_groups import PromptGroups
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.reward import build_reward_fn
 from rollflow.workers.roles import forward_rows
 
 
-def rollout_scheduler(config: RLVRConfig, groups: WorkerGroups, tokenizer) -> RolloutScheduler:
-    """The run's scheduler over its engine workers, scoring with its rewards (model rewards on the `reward`
-    group, plain ones on a reward pool), deterministic per `rollout.deterministic` (always, for a pipeline
-    without a rollout section: its greedy eval)."""
+def prompt_rollout(config, groups: WorkerGroups, tokenizer, sampler: Source | None = None,
+                   sampling: SamplingParams | None = None) -> RolloutCore:
+    """The run's rollout core over its engine workers, playing prompt groups scored with its rewards (model
+    rewards on the `reward` group, plain ones on a reward pool).
+
+    For RLVR (`sampler` and `sampling` given) it draws training groups per `rollout.*` (staleness, refills,
+    over-provisioning, long rounds, determinism) and `algorithm.difficulty_mask`; for a pipeline without a
+    rollout section it only evaluates (deterministic).
+    """
     rollout = getattr(config, "rollout", None)
     reward_fn = build_reward_fn(config.reward, groups.get("reward"))
 
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    return RolloutScheduler(groups["actor_infer"].handles, reward_fn, decode,
-                            config.roles.actor_infer.max_in_flight_requests, seed=config.seed,
-                            deterministic=rollout is None or rollout.deterministic, watchdog_s=config.cluster.watchdog_s)
-
-
-def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sampler,
-                   sampling: SamplingParams) -> RolloutStream:
-    """The run's training batches: the stream of prompt groups over `scheduler`, per `rollout.*` (staleness,
-    refills, over-provisioning, long rounds) and `algorithm.difficulty_mask`."""
-    rollout = config.rollout
+    common = dict(seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
+                  watchdog_s=config.cluster.watchdog_s)
+    if rollout is None or sampler is None:
+        settings = CoreSettings(groups_per_step=1, deterministic=rollout is None or rollout.deterministic, **common)
+        program = PromptGroups(reward_fn, decode, sampling or SamplingParams(), tag="eval")
+        return RolloutCore(groups["actor_infer"].handles, program, None, settings)
     # no sample can be more versions old than the run has steps: a larger bound only draws prompts past the end
-    settings = StreamSettings(rollout.prompts_per_step, min(rollout.max_staleness, config.train.steps),
-                              rollout.refill_bound, rollout.overprovision, rollout.long_round_every,
-                              config.algorithm.difficulty_mask, rollout.partial_rollout)
+    settings = CoreSettings(rollout.prompts_per_step, min(rollout.max_staleness, config.train.steps),
+                            rollout.refill_bound, rollout.overprovision, rollout.long_round_every,
+                            rollout.partial_rollout, rollout.deterministic, **common)
     domains = config.data.domains or {}
 
     def params_for(prompt: EncodedPrompt, params: SamplingParams) -> SamplingParams:
@@ -64,7 +64,8 @@ def rollout_stream(config: RLVRConfig, scheduler: RolloutScheduler, sampler: Sam
         return replace(params, max_new_tokens=domain.max_new_tokens or params.max_new_tokens,
                        min_new_tokens=domain.min_new_tokens)
 
-    return RolloutStream(scheduler, sampler, sampling, settings, params_for)
+    program = PromptGroups(reward_fn, decode, sampling, params_for, config.algorithm.difficulty_mask)
+    return RolloutCore(groups["actor_infer"].handles, program, sampler, settings)
 
 
 def reference_logprobs(batch, groups: WorkerGroups, colocation: ColocationManager, reference_backend: str,
@@ -115,13 +116,13 @@ def sync_weights(groups: WorkerGroups, colocation: ColocationManager, bucket_byt
             "sync/fetch_seconds_max": max(r["fetch_seconds"] for r in loaded)}
 
 
-def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts: list[EncodedPrompt],
+def evaluate(core: RolloutCore, colocation: ColocationManager, prompts: list[EncodedPrompt],
              greedy: SamplingParams, step: int = 0, group_by: Sequence[str] = (),
              samples_path: Path | None = None) -> dict[str, float]:
     """Greedy completions of the eval prompts, scored with the run's rewards: `eval/` metrics.
 
     Args:
-        scheduler: the run's rollout scheduler (`rollout_scheduler`).
+        core: the run's rollout core (`prompt_rollout`); its prompt program, greedy, plays the eval.
         colocation: moves roles for the `rollout` phase.
         prompts: the eval prompts (`CheckedInputs.eval_prompts`).
         greedy: the eval's sampling (temperature 0).
@@ -141,7 +142,7 @@ def evaluate(scheduler: RolloutScheduler, colocation: ColocationManager, prompts
     check_group_by(prompts, group_by)
     colocation.enter("rollout")
     with span("eval"):
-        samples = scheduler.generate(prompts, greedy, seed_key=("eval", step)).samples
+        samples = core.evaluate(prompts, core.program.for_eval(greedy), seed_key=("eval", step))
     if samples_path is not None:  # failed ones too, with their error: what to read when every sample failed
         write_samples(samples_path, step, samples, len(samples), columns=group_by)
     check_some_succeeded(samples, f"eval at step {step}")

@@ -21,8 +21,7 @@ from rollflow.pipelines.phases import (
     eval_summary_lines,
     evaluate,
     reference_logprobs,
-    rollout_scheduler,
-    rollout_stream,
+    prompt_rollout,
     sync_weights,
 )
 from rollflow.pipelines.preflight import build_sampler, check_inputs
@@ -80,9 +79,9 @@ class Generated:
 
 
 class RLVRStep:
-    """An RLVR step (`rollflow.pipelines.loop.PipelineStep`): the rollout stream's next batch, then the
+    """An RLVR step (`rollflow.pipelines.loop.PipelineStep`): the rollout core's next batch, then the
     reference / old log-probs and values as needed, advantages, the critic and actor updates and the weight
-    sync. The rollout objects (`RolloutStream`, its scheduler) are touched in `start`, `load`, `rollout`,
+    sync. The rollout core (`RolloutCore` playing prompt groups) is touched in `start`, `load`, `rollout`,
     `train` (`weights_updated`), `evaluate`, `state` and `close`, one line each."""
 
     objective = "policy_gradient"
@@ -92,7 +91,7 @@ class RLVRStep:
 
     def __init__(self, config: RLVRConfig):
         self.config = config
-        self.stream = None
+        self.core = None
         self.version = 0  # of the weights the engines hold
         self.syncs = 0
         self.parity_due = bool(config.checks.logprob_parity_samples)  # the first step this driver runs
@@ -122,40 +121,40 @@ class RLVRStep:
         config, rollout = self.config, self.config.rollout
         self.groups, self.colocation = groups, colocation
         self.advantages = AdvantageStage(config.algorithm, rollout.max_new_tokens)
-        self.scheduler = rollout_scheduler(config, groups, self.inputs.tokenizer)
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
                                   n=rollout.samples_per_prompt)
-        self.stream = rollout_stream(config, self.scheduler, build_sampler(config, self.inputs), sampling)
+        self.core = prompt_rollout(config, groups, self.inputs.tokenizer, build_sampler(config, self.inputs),
+                                   sampling)
         self.greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)
         self.sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
 
     def load(self, checkpoint: Path, state: dict) -> str:
-        """The trainer's (and critic's) weights, the stream's position and the advantage statistics; then the
+        """The trainer's (and critic's) weights, the core's position and the advantage statistics; then the
         engines get the weights."""
         groups = self.groups
         groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
         if "critic" in groups:
             groups["critic"].call("load", str(checkpoint / "critic"), state["step"])
-        regenerated = self.stream.load_state(state["stream"])
+        regenerated = self.core.load_state(state["stream"])
         self.advantages.load_state(state.get("advantage_stage"))
         self.version = sync_weights(groups, self.colocation, *self.sync_args)["sync/version"]
         return f" ({regenerated} prompts drawn but not trained then are generated again)" if regenerated else ""
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return evaluate(self.scheduler, self.colocation, self.inputs.eval_prompts, self.greedy, step,
+        return evaluate(self.core, self.colocation, self.inputs.eval_prompts, self.greedy, step,
                         self.config.eval.group_by, self.config.run_dir / "eval_samples.jsonl")
 
     def state(self, step: int, initial_eval: dict) -> dict:
         """The driver's part of a checkpoint after `step`: the step, data position (with the prompts drawn but
         not trained yet, which a resume generates again), reward and KL statistics."""
-        return {"step": step, "stream": self.stream.state(), "advantage_stage": self.advantages.state(),
+        return {"step": step, "stream": self.core.state(), "advantage_stage": self.advantages.state(),
                 "initial_eval": initial_eval}
 
     def rollout(self, step: int) -> tuple[Generated, dict[str, float]]:
-        """The stream's batch for `step` (asynchronous: generated while the last step trained), checked."""
+        """The core's batch for `step` (asynchronous: generated while the last step trained), checked."""
         self.colocation.enter("rollout")
         with span("rollout"):
-            result = self.stream.next_batch(step, self.version)
+            result = self.core.next_batch(step, self.version)
         check_some_succeeded(result.samples, f"step {step}")
         metrics = {**result.metrics, **rollout_metrics(result.samples)}
         if self.parity_due:
@@ -177,7 +176,7 @@ class RLVRStep:
         corrupt = self.syncs == config.checks.fault_injection_flip_sync_byte_at
         metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args, corrupt))
         self.version = int(metrics["sync/version"])
-        self.stream.weights_updated()
+        self.core.weights_updated()
         return metrics
 
     def position(self, step: int) -> dict[str, float]:
@@ -196,8 +195,8 @@ class RLVRStep:
         return eval_summary_lines(final, self.config.train.steps)
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
+        if self.core is not None:
+            self.core.close()
 
 
 def train_on(batch, step: int, groups: WorkerGroups, colocation: ColocationManager, advantages: AdvantageStage,

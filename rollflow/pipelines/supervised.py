@@ -33,7 +33,7 @@ from rollflow.pipelines.phases import (
     eval_summary_lines,
     evaluate,
     reference_logprobs,
-    rollout_scheduler,
+    prompt_rollout,
     sync_weights,
 )
 from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
@@ -124,7 +124,7 @@ class SupervisedStep:
     def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
         config = self.config
         self.groups, self.colocation, self.pad = groups, colocation, self.inputs.tokenizer.pad_token_id
-        self.scheduler = rollout_scheduler(config, groups, self.inputs.tokenizer) if "actor_infer" in groups else None
+        self.core = prompt_rollout(config, groups, self.inputs.tokenizer) if "actor_infer" in groups else None
         self.batches = shuffled_batches(self.inputs.train, config.train.batch_size, config.seed, config.data.shuffle)
         self.best = BestCheckpoint(config)
 
@@ -177,7 +177,8 @@ class SupervisedStep:
         return lines + ([self.best.describe(final)] if self.best.step is not None else [])
 
     def close(self) -> None:
-        pass
+        if getattr(self, "core", None) is not None:
+            self.core.close()
 
     def training_batch(self, items: list[Item]) -> Batch:
         """The batch the trainer's objective reads: SFT's samples as they are."""
@@ -205,7 +206,7 @@ class SupervisedStep:
             splits["val"] = (inputs.validation, inputs.validation_prompts)
         found = {name: self.eval_losses(items) if items else {} for name, (items, _) in splits.items()}
         metrics: dict[str, float] = {}
-        if self.scheduler is not None and any(prompts for _, prompts in splits.values()):
+        if self.core is not None and any(prompts for _, prompts in splits.values()):
             bucket = int(config.cluster.weight_sync_bucket_mb * 2**20)
             metrics.update(sync_weights(self.groups, self.colocation, bucket, config.checks.weight_checksum))
             greedy = SamplingParams(config.eval.max_new_tokens, temperature=0.0)
@@ -213,7 +214,7 @@ class SupervisedStep:
                 if prompts:
                     samples_path = config.run_dir / "eval_samples.jsonl" if keep_samples else None
                     extra = (config.eval.group_by, samples_path) if name == "eval" else ()
-                    found[name].update(evaluate(self.scheduler, self.colocation, prompts, greedy, step, *extra))
+                    found[name].update(evaluate(self.core, self.colocation, prompts, greedy, step, *extra))
         metrics.update(found["eval"])
         metrics.update({"val/" + key.removeprefix("eval/"): value for key, value in found.get("val", {}).items()})
         return metrics

@@ -1,5 +1,6 @@
 """The advantage stage of the agentic pipeline: one advantage per model turn, from the episodes' returns,
-step rewards and anchor states, spread over the turn's tokens.
+step rewards and anchor states (what their samples carry: `reward`, `step_rewards`, `metadata["anchors"]`),
+spread over the turn's tokens.
 
 It runs on the driver between the rollout and the actor update; the math is in
 `rollflow.algorithms.agentic` (`AGENTIC_ADVANTAGES`: starpo, gigpo, step_reinforce).
@@ -11,7 +12,7 @@ import torch
 
 from rollflow.algorithms import AGENTIC_ADVANTAGES, AgenticAdvantageInputs, discounted_step_returns
 from rollflow.data.sample import Batch, Sample
-from rollflow.rollout.episodes import Episode, per_token
+from rollflow.rollout.episodes import per_token
 
 
 class EpisodeAdvantages:
@@ -30,37 +31,38 @@ class EpisodeAdvantages:
         self.clip = algorithm.advantage_clip
         self.mode = mode
 
-    def __call__(self, batch: Batch, samples: list[Sample], episodes: list[Episode]) -> dict[str, float]:
-        inputs, keys = step_rows(episodes, self.gamma)
+    def __call__(self, batch: Batch, samples: list[Sample]) -> dict[str, float]:
+        """`samples`: the batch's rows, from `episode_samples`."""
+        inputs, keys = step_rows(samples, self.gamma)
         advantages, metrics = self.estimator(inputs, **self.kwargs)  # [S]
         if self.clip is not None:
             advantages = advantages.clamp(-self.clip, self.clip)
         by_step = dict(zip(keys, advantages.tolist()))
-        values, segments = per_token(samples, by_step, batch.response_width, self.mode)  # [B, T], [B, T]
+        values, segments = per_token(samples, by_step, batch.response_width)  # [B, T], [B, T]
         batch.extras["advantages"] = values * batch.response_mask
         batch.extras["segment_ids"] = segments
         return {f"advantage/{k}": float(v) for k, v in metrics.items()}
 
 
-def step_rows(episodes: list[Episode], gamma: float) -> tuple[AgenticAdvantageInputs, list[tuple[int, int]]]:
-    """One row per model turn of the usable episodes: its episode's return and group, its anchor state (as an
-    id equal for equal states) and its discounted return.
+def step_rows(samples: list[Sample], gamma: float) -> tuple[AgenticAdvantageInputs, list[tuple]]:
+    """One row per model turn of the samples' episodes (an episode's samples count once, step-wise ones
+    included): its episode's return and group, its anchor state (as an id equal for equal states) and its
+    discounted return.
 
     Returns:
-        (the estimator's inputs [S], the (episode index, turn) of each row).
+        (the estimator's inputs [S], the (episode, turn) of each row).
     """
     keys, returns, groups, episode_ids, anchors, rewards, turns = [], [], [], [], [], [], []
     anchor_index: dict[str, int] = {}
+    episodes = list({sample.metadata["episode"]: sample for sample in samples}.values())
     for index, episode in enumerate(episodes):
-        if not episode.usable:
-            continue
-        for number, turn in enumerate(episode.turns):
-            keys.append((index, number))
-            returns.append(episode.episode_return)
-            groups.append(episode.group)
+        for number, (anchor, reward) in enumerate(zip(episode.metadata["anchors"], episode.step_rewards)):
+            keys.append((episode.metadata["episode"], number))
+            returns.append(episode.reward)
+            groups.append(episode.group_id)
             episode_ids.append(index)
-            anchors.append(anchor_index.setdefault(turn.anchor, len(anchor_index)))
-            rewards.append(turn.reward)
+            anchors.append(anchor_index.setdefault(anchor, len(anchor_index)))
+            rewards.append(reward)
             turns.append(number)
     episode_tensor = torch.tensor(episode_ids, dtype=torch.long)
     step_returns = discounted_step_returns(torch.tensor(rewards, dtype=torch.float32), episode_tensor,

@@ -8,6 +8,7 @@ prompt the one the engine was given that turn.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,25 +103,24 @@ class Episode:
         return self.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) and bool(self.turns)
 
 
-def episode_samples(episodes: list[Episode], group_ids: dict[int, int], mode: str) -> list[Sample]:
-    """The samples of usable episodes: one per episode (`trajectory`) or one per turn (`step`).
+def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[Sample]:
+    """The samples of a group's kept episodes: one per episode (`trajectory`) or one per turn (`step`).
 
-    Args:
-        episodes: finished episodes.
-        group_ids: episode group index -> the batch's group id.
-        mode: "trajectory" or "step".
-
-    Returns:
-        Samples in episode order (a step-wise episode's turns in turn order). `metadata` holds `episode`
-        (index in `episodes`), `turn` (step-wise) and `success`.
+    Each carries what the agentic advantages and metrics read, in `metadata`: `episode` (group id, slot),
+    `anchors` (the state of each turn), `spans` (trajectory: [start, end) of each turn's tokens in the
+    response), `turn` (step: which turn it is), `success`, `seed`, `turns`, `invalid_actions`, `env_seconds`,
+    `prefix_reused_tokens` and `turn_prompt_tokens`; `step_rewards` holds every turn's reward and `reward` the
+    episode return.
     """
     samples = []
-    for index, episode in enumerate(episodes):
-        if not episode.usable:
-            continue
-        common = dict(group_id=group_ids[episode.group], reward=episode.episode_return, status=episode.status,
+    for episode in episodes:
+        common = dict(group_id=group_id, reward=episode.episode_return, status=episode.status,
                       step_rewards=[turn.reward for turn in episode.turns])
-        meta = {"episode": index, "seed": episode.seed, "success": episode.success, "turns": len(episode.turns)}
+        meta = {"episode": (group_id, episode.slot), "seed": episode.seed, "success": episode.success,
+                "turns": len(episode.turns), "anchors": [turn.anchor for turn in episode.turns],
+                "invalid_actions": sum(turn.invalid for turn in episode.turns), "env_seconds": episode.env_seconds,
+                "prefix_reused_tokens": sum(turn.prefix_reused_tokens for turn in episode.turns),
+                "turn_prompt_tokens": sum(len(turn.prompt_ids) for turn in episode.turns)}
         if mode == "trajectory":
             samples.append(Sample(
                 prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
@@ -137,15 +137,13 @@ def episode_samples(episodes: list[Episode], group_ids: dict[int, int], mode: st
     return [sample for sample in samples if sample.response_ids]
 
 
-def per_token(samples: list[Sample], step_values: dict[tuple[int, int], float], width: int,
-              mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token(samples: list[Sample], step_values: dict[tuple, float], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Spread one value per (episode, turn) over the tokens of that turn.
 
     Args:
-        samples: from `episode_samples`.
-        step_values: (episode index, turn) -> value (an advantage).
+        samples: from `episode_samples` (trajectory-wise: `metadata["spans"]`; step-wise: `metadata["turn"]`).
+        step_values: (episode, turn) -> value (an advantage).
         width: T, the batch's response width.
-        mode: "trajectory" or "step".
 
     Returns:
         (values [B, T] float: each turn's value on its tokens, 0 elsewhere; segment_ids [B, T] long: the turn
@@ -155,34 +153,57 @@ def per_token(samples: list[Sample], step_values: dict[tuple[int, int], float], 
     segments = torch.full((len(samples), width), -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         episode = sample.metadata["episode"]
-        if mode == "trajectory":
-            spans = sample.metadata["spans"]
+        if "spans" in sample.metadata:
+            spans, turns = sample.metadata["spans"], range(len(sample.metadata["spans"]))
         else:
-            spans = [(0, len(sample.response_ids))]
-        for number, (start, end) in enumerate(spans):
-            turn = number if mode == "trajectory" else sample.metadata["turn"]
+            spans, turns = [(0, len(sample.response_ids))], [sample.metadata["turn"]]
+        for number, ((start, end), turn) in enumerate(zip(spans, turns)):
             values[row, start:end] = step_values[(episode, turn)]
             segments[row, start:end] = number
     return values, segments
 
 
-def failed_samples(episodes: list[Episode]) -> list[Sample]:
-    """Failed episodes as `Sample`s for `samples.jsonl` (never trained on): what was played of them, status
-    `failed` and `metadata["error"]`, why."""
+def failed_samples(episodes: list[Episode], group_id: int = -1) -> list[Sample]:
+    """Failed episodes as `Sample`s (never trained on, `usable()` leaves them out): what was played of them,
+    status `failed`, and in `metadata` why (`error`, one line; `error_details`, the env's traceback)."""
     return [Sample(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
-                   response_text=" | ".join(turn.text for turn in episode.turns), group_id=episode.group,
+                   response_text=" | ".join(turn.text for turn in episode.turns), group_id=group_id,
                    reward=episode.episode_return, status=SampleStatus.FAILED,
-                   metadata={"seed": episode.seed, "turns": len(episode.turns), "error": episode.error})
+                   metadata={"episode": (group_id, episode.slot), "seed": episode.seed, "turns": len(episode.turns),
+                             "success": False, "error": episode.error, "error_details": episode.error_details})
             for episode in episodes]
 
 
-def no_episodes_error(where: str, failed: list[Episode], finished: int, group_size: int) -> StepFailedError:
+def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """Success rate (failed episodes count as failures), and the mean return, turns, invalid actions and env
+    time of the episodes that did not fail (`rollout/` or `eval/`), from their samples (one episode's samples
+    count once)."""
+    episodes = list({sample.metadata["episode"]: sample for sample in samples}.values())
+    if not episodes:
+        return {}
+    played = [e for e in episodes if e.status != SampleStatus.FAILED]
+    turns = sum(e.metadata["turns"] for e in played)
+    count = max(len(played), 1)
+    metrics = {
+        f"{prefix}/success": sum(bool(e.metadata["success"]) for e in played) / len(episodes),
+        f"{prefix}/return": sum(e.reward for e in played) / count,
+        f"{prefix}/turns": turns / count,
+        f"{prefix}/invalid_action_frac": sum(e.metadata["invalid_actions"] for e in played) / max(turns, 1),
+        f"{prefix}/truncated_frac": sum(e.status == SampleStatus.TRUNCATED for e in played) / count,
+        f"{prefix}/env_seconds_per_turn": sum(e.metadata["env_seconds"] for e in played) / max(turns, 1),
+        f"{prefix}/prefix_reused_frac": (sum(e.metadata["prefix_reused_tokens"] for e in played)
+                                         / max(sum(e.metadata["turn_prompt_tokens"] for e in played), 1)),
+    }
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def no_episodes_error(where: str, failed: list[Sample], finished: int, group_size: int) -> StepFailedError:
     """The error of a step (or eval) that has nothing to train on (or score): every episode failed, or too
     many did for any group to fill.
 
     Args:
         where: "step 3", "eval at step 0".
-        failed: the episodes that failed, the first first.
+        failed: the samples of the episodes that failed (`failed_samples`), the first first.
         finished: episodes that did not fail but whose group was dropped.
         group_size: episodes a group needs (`rollout.group_size`; 1 for eval).
 
@@ -193,7 +214,7 @@ def no_episodes_error(where: str, failed: list[Episode], finished: int, group_si
     if not failed:
         return StepFailedError(f"{where}: no env group was played to the end (every group was dropped as stale "
                                "or by the refill bound); nothing to train on")
-    first = failed[0].error or "no error recorded"
+    first = failed[0].metadata.get("error") or "no error recorded"
     if finished == 0:
         message = f"{where}: all {len(failed)} episodes failed; the first failed with: {first}"
     else:
@@ -203,13 +224,13 @@ def no_episodes_error(where: str, failed: list[Episode], finished: int, group_si
     return StepFailedError(message, details=error_summary(failed))
 
 
-def error_summary(failed: list[Episode]) -> str:
+def error_summary(failed: list[Sample]) -> str:
     """Every distinct episode error with its count (most frequent first), then the first env traceback."""
     counts: dict[str, int] = {}
-    for episode in failed:
-        counts[episode.error] = counts.get(episode.error, 0) + 1
+    for sample in failed:
+        counts[_error(sample)] = counts.get(_error(sample), 0) + 1
     lines = [f"{count} x {error}" for error, count in sorted(counts.items(), key=lambda item: -item[1])]
-    traceback = next((episode.error_details for episode in failed if episode.error_details), "")
+    traceback = next((s.metadata["error_details"] for s in failed if s.metadata.get("error_details")), "")
     return "\n".join(["episode errors:", *lines, *(["", "the first env traceback:", traceback] if traceback else [])])
 
 
@@ -221,15 +242,21 @@ class EpisodeErrorWarnings:
     def __init__(self, limit: int = 3):
         self.limit, self.seen = limit, set()
 
-    def lines(self, where: str, failed: list[Episode]) -> list[str]:
-        """The warning lines for the episodes that failed in `where` ("step 3", "eval at step 0")."""
+    def lines(self, where: str, failed: list[Sample]) -> list[str]:
+        """The warning lines for the episodes that failed in `where` ("step 3", "eval at step 0"), from their
+        samples (`failed_samples`)."""
         lines = []
-        for episode in failed:
-            if episode.error in self.seen or len(self.seen) >= self.limit:
+        for sample in failed:
+            error = _error(sample)
+            if error in self.seen or len(self.seen) >= self.limit:
                 continue
-            self.seen.add(episode.error)
-            count = sum(other.error == episode.error for other in failed)
+            self.seen.add(error)
+            count = sum(_error(other) == error for other in failed)
             more = "; further new errors are counted in rollout/failed and logged in samples.jsonl, not printed" \
                 if len(self.seen) == self.limit else ""
-            lines.append(f"{where}: {count} of its episodes failed with: {episode.error}{more}")
+            lines.append(f"{where}: {count} of its episodes failed with: {error}{more}")
         return lines
+
+
+def _error(sample: Sample) -> str:
+    return sample.metadata.get("error", "")

@@ -121,30 +121,30 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
                    "Tokens generated since the previous step's batch was handed out, per second of wall "
                    "time."),
             Metric("rollout/groups/consumed", COUNT,
-                   "Prompt groups handed to the trainer since the last step."),
+                   "Groups (a prompt's samples, an env seed's episodes) handed to the trainer since the last "
+                   "step."),
             Metric("rollout/groups/filtered", COUNT,
                    "Prompt groups the difficulty mask dropped since the last step "
                    "(`algorithm.difficulty_mask`)."),
             Metric("rollout/groups/failed", COUNT,
-                   "Prompt groups whose samples all failed since the last step."),
+                   "Groups dropped since the last step because they failed: every sample of a prompt group, "
+                   "or too many episodes of an env group for `rollout.group_size` to finish."),
             Metric("rollout/groups/aborted", COUNT,
-                   "Prompt groups cut by over-provisioning since the last step (`rollout.overprovision`); "
-                   "their prompts wait for a long round."),
+                   "Groups cut by over-provisioning since the last step (`rollout.overprovision`); their "
+                   "keys wait for a long round."),
             Metric("rollout/groups/stale", COUNT,
-                   "Prompt groups dropped as older than `rollout.max_staleness` policy versions since the "
-                   "last step."),
+                   "Groups dropped as older than `rollout.max_staleness` policy versions since the last "
+                   "step."),
             Metric("rollout/groups/queued", COUNT,
-                   "Prompt groups waiting to be sent to an engine when the step's batch was handed out."),
+                   "Groups waiting to send their first request when the step's batch was handed out."),
             Metric("rollout/groups/generating", COUNT,
-                   "Prompt groups being generated when the batch was handed out (asynchronous runs "
-                   "generate ahead)."),
+                   "Groups being played when the batch was handed out (asynchronous runs play ahead)."),
             Metric("rollout/groups/scoring", COUNT,
                    "Prompt groups waiting for their rewards when the batch was handed out."),
             Metric("rollout/groups/ready", COUNT,
-                   "Finished prompt groups left for later steps when the batch was handed out."),
-            Metric("rollout/refill_prompts", COUNT,
-                   "Prompts drawn this step to replace dropped groups (at most "
-                   "`rollout.max_refill_prompts`)."),
+                   "Finished groups left for later steps when the batch was handed out."),
+            Metric("rollout/refill_groups", COUNT,
+                   "Groups started this step to replace dropped ones (at most `rollout.max_refill_groups`)."),
             Metric("rollout/refill_bound_hit", "0 or 1",
                    "1 when the refill bound was reached and the step trains on fewer groups."),
             Metric("rollout/wasted_tokens", "tokens",
@@ -179,21 +179,11 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
         (
             *_stats("rollout", _EPISODE_STATS, "the step's training episodes"),
             Metric("rollout/groups", COUNT, "Env groups (episodes of one env seed) trained on this step."),
-            Metric("rollout/trajectories_per_second", "episodes/s",
-                   "Episodes handed to the trainer per second of the step's rollout wait."),
-            Metric("rollout/groups_dropped", COUNT,
-                   "Env groups dropped since the last step (fewer than `rollout.group_size` episodes "
-                   "finished)."),
-            Metric("rollout/groups_stale", COUNT,
-                   "Env groups dropped as older than `rollout.max_staleness` policy versions since the "
-                   "last step."),
             Metric("rollout/failed", COUNT,
                    "Episodes that failed (env error, time limit) since the last step."),
             Metric("rollout/aborted", COUNT,
                    "Spare episodes cancelled once their group had enough finishers "
                    "(`rollout.group_redundancy`) since the last step."),
-            Metric("rollout/refills", COUNT,
-                   "Env groups started to replace dropped ones since the last step."),
             Metric("train/samples", COUNT,
                    "Training rows built from the step's episodes (one per episode, or per turn with "
                    "`rollout.samples: step`)."),

@@ -46,7 +46,6 @@ KEY_SHAPE = re.compile(r"[\w.:*]+(/[\w.:*]+)+")
 NOT_LOGGED = {
     "initial_eval/accuracy": "the final metrics a pipeline returns (its step-0 eval), not a logged record",
     "initial_eval/success": "the final metrics a pipeline returns (its step-0 eval), not a logged record",
-    "time/first_group_done": "RolloutScheduler.generate's result; the eval calling it keeps the samples only",
 }
 
 

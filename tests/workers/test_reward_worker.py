@@ -16,7 +16,7 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroup, WorkerStartError, spawn_group
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import load_config
-from rollflow.data.prompts import EncodedPrompt
+from rollflow.data.prompts import EncodedPrompt, PromptSampler
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
 from rollflow.errors import WorkerError
@@ -31,7 +31,8 @@ from rollflow.rewards import (
     resolve_reward,
 )
 from rollflow.rewards.judge import LLMJudge
-from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.prompt_groups import PromptGroups
 from rollflow.workers.base import PlacedWorker, torch_device
 from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn, model_rewards
 from rollflow.workers.roles import plan_roles
@@ -182,13 +183,16 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
                         {"slow": RECORDING.bind({"delay_s": delay_s}, "slow")})
     remote = RemoteReward("slow", group)
     combined = combine_rewards([("exact", lambda c, **row: float(c == row["answer"]), 1.0), ("slow", remote, 0.5)])
-    scheduler = RolloutScheduler([rollout], combined, lambda ids: "-".join(map(str, ids)))
+    program = PromptGroups(combined, lambda ids: "-".join(map(str, ids)), SamplingParams(n=2))
     prompts = [EncodedPrompt({"answer": f"{k}-0"}, str(k), [k]) for k in range(4)]
+    sampler = PromptSampler(prompts, 4, seed=0, shuffle=False)
+    core = RolloutCore([rollout], program, sampler, CoreSettings(groups_per_step=4))
     group.wait_ready()  # model load is not what this test measures
     try:
-        result = scheduler.generate(prompts, SamplingParams(n=2))
+        result = core.next_batch(1, 0)
     finally:
         group.close()
+        core.close()
     by_group = {k: [s for s in result.samples if s.prompt_ids == [k]] for k in range(4)}  # group k: prompt [k]
     assert len(result.samples) == 8 and all(len(samples) == 2 for samples in by_group.values())
 
@@ -211,7 +215,7 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     assert finished[0] > generated[3]
     # ... and the scheduler sends each group as it arrives instead of waiting for group 0's scores.
     assert max(started) < finished[0]
-    assert result.metrics["time/reward"] < 0.5 * delay_s  # driver time spent on rewards
+    assert result.metrics["time/reward"] < 0.5 * delay_s  # time the rollout's loop spent on rewards
     # Serial scoring would take 4 x 1.5 s; overlapped it is about 0.6 s of generation + 1.5 s.
     assert result.metrics["time/rollout"] < 3 * delay_s
     assert result.metrics["time/reward_wait"] >= delay_s - 3 * step_s - 0.1

@@ -1,5 +1,6 @@
-"""The streaming rollout: group lifecycle, refill within its bound, over-provisioning and long rounds, the
-staleness bound under random timings, and resuming with groups in flight."""
+"""The rollout core with the prompt-group program: group lifecycle, refill within its bound,
+over-provisioning and long rounds, the staleness bound under random timings, resuming with groups in flight,
+partial rollout. (The env-group program gets the same policy: tests/rollout/test_env_groups.py.)"""
 
 import asyncio
 import random
@@ -10,8 +11,8 @@ import ray
 
 from rollflow.data.prompts import EncodedPrompt, PromptSampler
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
-from rollflow.rollout.scheduler import RolloutScheduler
-from rollflow.rollout.stream import RolloutStream, StreamSettings
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.prompt_groups import PromptGroups
 
 
 class _FakeEngine:
@@ -68,11 +69,12 @@ def _prompts(count: int) -> list[EncodedPrompt]:
     return [EncodedPrompt({"key": k}, f"p{k}", [k]) for k in range(count)]
 
 
-def _stream(workers, settings, prompts, deterministic=False, n=2, reward=_reward, max_new_tokens=16):
-    scheduler = RolloutScheduler(workers, reward, decode=str, max_in_flight=64, seed=3,
-                                 deterministic=deterministic, watchdog_s=30)
-    sampler = PromptSampler(prompts, settings.prompts_per_step, seed=0, shuffle=False)
-    return RolloutStream(scheduler, sampler, SamplingParams(max_new_tokens, n=n), settings)
+def _stream(workers, settings, prompts, deterministic=False, n=2, reward=_reward, max_new_tokens=16,
+            difficulty_mask=None):
+    settings = CoreSettings(**{"seed": 3, "watchdog_s": 30, "deterministic": deterministic, **settings})
+    sampler = PromptSampler(prompts, settings.groups_per_step, seed=0, shuffle=False)
+    program = PromptGroups(reward, str, SamplingParams(max_new_tokens, n=n), difficulty_mask=difficulty_mask)
+    return RolloutCore(workers, program, sampler, settings)
 
 
 def _keys(result):
@@ -87,7 +89,7 @@ def engine(ray_session):
 
 
 def test_a_synchronous_step_consumes_its_prompts_in_order_and_counts_each_state(engine):
-    stream = _stream([engine], StreamSettings(prompts_per_step=4), _prompts(20), deterministic=True)
+    stream = _stream([engine], dict(groups_per_step=4), _prompts(20), deterministic=True)
     first = stream.next_batch(step=1, policy_version=0)
     assert _keys(first) == [0, 1, 2, 3]
     assert first.metrics["rollout/groups/consumed"] == 4
@@ -99,11 +101,11 @@ def test_a_synchronous_step_consumes_its_prompts_in_order_and_counts_each_state(
 
 def test_a_reward_that_raises_fails_its_group_and_a_new_prompt_takes_its_place(engine):
     # prompt 9 raises in the reward: its group fails, is counted, and prompt 12 refills the batch
-    stream = _stream([engine], StreamSettings(prompts_per_step=4, max_refill_prompts=2), _prompts(30))
+    stream = _stream([engine], dict(groups_per_step=4, max_refill_groups=2), _prompts(30))
     for step in (1, 2, 3):
         result = stream.next_batch(step=step, policy_version=0)
     assert result.metrics["rollout/groups/failed"] == 1
-    assert result.metrics["rollout/refill_prompts"] == 1
+    assert result.metrics["rollout/refill_groups"] == 1
     assert _keys(result) == [8, 10, 11, 12]
     failed = [s for s in result.samples if s.status.value == "failed"]
     assert failed and all(s.row["key"] == 9 and "broken row" in s.metadata["error"] for s in failed)
@@ -118,27 +120,28 @@ def test_refill_replaces_filtered_groups_until_its_bound(engine):
     import itertools
 
     mixed_on_multiples_of_three.calls = itertools.count()
-    settings = StreamSettings(prompts_per_step=3, max_refill_prompts=4, difficulty_mask=(0.0, 1.0))
-    stream = _stream([engine], settings, _prompts(40), reward=mixed_on_multiples_of_three)
+    settings = dict(groups_per_step=3, max_refill_groups=4)
+    stream = _stream([engine], settings, _prompts(40), reward=mixed_on_multiples_of_three,
+                     difficulty_mask=(0.0, 1.0))
     result = stream.next_batch(step=1, policy_version=0)
     # keys 0, 3, 6 are the only mixed groups among 0..6: 4 refills (keys 3..6) after the first 3 prompts
     trained = {s.row["key"] for s in result.samples if s.status.value == "finished"}
     assert trained == {0, 3, 6}
-    assert result.metrics["rollout/refill_prompts"] == 4
+    assert result.metrics["rollout/refill_groups"] == 4
     assert result.metrics["rollout/groups/filtered"] == 4
     assert result.metrics["rollout/refill_bound_hit"] == 0
     assert result.metrics["difficulty_mask/kept_samples"] == 6  # 3 groups x 2 samples
     # the next step: only key 9 of 7..10 is a multiple of 3 (and it raises): the bound is hit with 0 groups
     bounded = stream.next_batch(step=2, policy_version=0)
     assert bounded.metrics["rollout/refill_bound_hit"] == 1
-    assert bounded.metrics["rollout/refill_prompts"] == 4
+    assert bounded.metrics["rollout/refill_groups"] == 4
     assert bounded.metrics["rollout/groups/consumed"] <= 2
 
 
 def test_overprovisioning_aborts_the_slowest_groups_and_runs_them_in_a_long_round(ray_session):
     slow = {5: 1.2, 11: 1.2}  # two long-tail prompts
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays=slow, tokens={5: 8, 11: 8})
-    settings = StreamSettings(prompts_per_step=4, overprovision=1.5, long_round_every=3)
+    settings = dict(groups_per_step=4, overprovision=1.5, long_round_every=3)
     stream = _stream([worker], settings, _prompts(40))
     first = stream.next_batch(step=1, policy_version=0)  # launches 0..5, keeps four of 0..4
     assert 5 not in _keys(first)
@@ -159,7 +162,7 @@ def test_asynchronous_batches_never_exceed_the_staleness_bound(ray_session, max_
     `max_staleness` versions behind the trainer, and the stream runs ahead (some samples are stale > 0)."""
     workers = [ray.remote(num_cpus=0)(_FakeEngine).remote(jitter=0.08, seed=s, tokens={k: 3 for k in range(200)})
                for s in range(2)]
-    settings = StreamSettings(prompts_per_step=4, max_staleness=max_staleness, max_refill_prompts=8)
+    settings = dict(groups_per_step=4, max_staleness=max_staleness, max_refill_groups=8)
     stream = _stream(workers, settings, _prompts(200))
     rng, seen, staleness = random.Random(0), [], []
     try:
@@ -183,8 +186,9 @@ def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_
     memory (and in every checkpoint) and logged a million `staleness/frac_k` scalars a step."""
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={k: 2 for k in range(100)},
                                                         delays={k: 0.5 for k in range(100)})
-    settings = StreamSettings(prompts_per_step=4, max_staleness=1_000_000)
+    settings = dict(groups_per_step=4, max_staleness=1_000_000)
     stream = _stream([worker], settings, _prompts(100))
+    ray.get(worker.seen.remote())  # the actor is up: its start is not what this test times
     try:
         started = time.perf_counter()
         result = stream.next_batch(step=1, policy_version=0)
@@ -194,7 +198,7 @@ def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_
     assert time.perf_counter() - started < 10
     # drawn: what the engine took (up to 64 requests in flight, ~0.5 s each) and one step's launch queued
     # beyond it, not the quota's 4 million prompts
-    assert state["next_index"] <= 3 * (64 + settings.launched_per_step), state["next_index"]
+    assert state["next_index"] <= 3 * (64 + stream.settings.launched_per_step), state["next_index"]
     assert len(state["pending"]) <= state["next_index"]
     assert sorted(k for k in result.metrics if k.startswith("staleness/frac_")) == \
         [f"staleness/frac_{k}" for k in range(9)]
@@ -203,7 +207,7 @@ def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_
 
 def test_resume_regenerates_what_was_in_flight_and_skips_nothing(ray_session):
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={k: 2 for k in range(100)}, jitter=0.05)
-    settings = StreamSettings(prompts_per_step=4, max_staleness=1)
+    settings = dict(groups_per_step=4, max_staleness=1)
     def constant(completion, **row):
         return 1.0, {}
 
@@ -243,7 +247,7 @@ def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_ses
     decrease, some samples switch version mid-response, and `resubmit` sends unfinished samples again."""
     worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays={k: 0.3 for k in range(100)},
                                                         tokens={k: 6 for k in range(100)})
-    settings = StreamSettings(prompts_per_step=2, max_staleness=2, partial_rollout=partial_rollout)
+    settings = dict(groups_per_step=2, max_staleness=2, partial_rollout=partial_rollout)
     stream = _stream([worker], settings, _prompts(100), reward=lambda completion, **row: (1.0, {}),
                      max_new_tokens=6)
     samples, resubmitted = [], 0.0
@@ -269,13 +273,14 @@ def test_a_group_sampled_by_version_0_goes_stale_like_any_other():
     """Version 0 is a version: a group whose oldest token is 0 is 2 versions old at version 2 (it once
     counted as fresh, `0 or version`, and slipped past a bound of 1 when the timing let it wait)."""
     from rollflow.data.sample import Sample
-    from rollflow.rollout.stream import GroupState, PromptGroup
+    from rollflow.rollout.core import Group, GroupState
 
-    stream = _stream([], StreamSettings(prompts_per_step=2, max_staleness=1, max_refill_prompts=0), _prompts(4))
-    old = PromptGroup(_prompts(1)[0], index=0, group_id=0, state=GroupState.READY,
+    stream = _stream([], dict(groups_per_step=2, max_staleness=1, max_refill_groups=0), _prompts(4))
+    old = Group(_prompts(1)[0], index=0, group_id=0, state=GroupState.READY,
                       samples=[Sample([0], [1, 2], policy_versions=[0, 1])])
-    fresh = PromptGroup(_prompts(2)[1], index=1, group_id=1, state=GroupState.READY,
+    fresh = Group(_prompts(2)[1], index=1, group_id=1, state=GroupState.READY,
                         samples=[Sample([1], [3], policy_versions=[1])])
     stream._ready = [old, fresh]
     stream._drop_stale(policy_version=2)
+    stream.close()
     assert stream._ready == [fresh] and old.state == GroupState.STALE

@@ -1,4 +1,5 @@
-"""Routing: prompt affinity, least-loaded workers and the per-worker cap on in-flight requests."""
+"""The router of the rollout core, through its eval path (a fixed key list): prompt affinity, least-loaded
+workers and the per-worker cap on in-flight requests, deterministic rounds, the watchdog, a dead worker."""
 
 import asyncio
 import time
@@ -8,7 +9,17 @@ import ray
 
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
-from rollflow.rollout.scheduler import RolloutScheduler
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.prompt_groups import PromptGroups
+
+
+def _evaluate(workers, reward, prompts, params, decode=str, seed_key=(), **settings):
+    """Every prompt's group generated and scored by a core over `workers`: its samples, in prompt order."""
+    core = RolloutCore(workers, None, None, CoreSettings(groups_per_step=1, **settings))
+    try:
+        return core.evaluate(prompts, PromptGroups(reward, decode, params, tag="eval"), seed_key)
+    finally:
+        core.close()
 
 
 class _SlowEngineWorker:
@@ -37,19 +48,19 @@ def _reward(completion, **row):
 
 def test_groups_stay_on_one_worker_and_the_cap_holds(ray_session):
     fast, slow = (ray.remote(num_cpus=0)(_SlowEngineWorker).remote(i, d) for i, d in enumerate((0.02, 0.3)))
-    scheduler = RolloutScheduler([fast, slow], _reward, decode=lambda ids: "x" * len(ids), max_in_flight=2)
     prompts = [EncodedPrompt({"answer": i % 2}, "p", [1, 2, 3]) for i in range(12)]
-    result = scheduler.generate(prompts, SamplingParams(n=3))
-    assert len(result.samples) == 36
+    samples = _evaluate([fast, slow], _reward, prompts, SamplingParams(n=3), decode=lambda ids: "x" * len(ids),
+                        max_in_flight=2)
+    assert len(samples) == 36
     by_group = {}
-    for sample in result.samples:
+    for sample in samples:
         by_group.setdefault(sample.group_id, set()).add(sample.metadata["worker"])
     assert len(by_group) == 12 and all(len(workers) == 1 for workers in by_group.values())  # affinity
     (fast_peak, fast_served), (slow_peak, slow_served) = ray.get([fast.stats.remote(), slow.stats.remote()])
     assert fast_peak <= 2 and slow_peak <= 2  # never more than the cap in flight
     assert fast_served > slow_served  # freed capacity goes to whichever worker finishes first
     assert fast_served + slow_served == 12
-    assert sorted(s.reward for s in result.samples) == [0.0] * 18 + [1.0] * 18
+    assert sorted(s.reward for s in samples) == [0.0] * 18 + [1.0] * 18
     for worker in (fast, slow):
         ray.kill(worker)
 
@@ -75,15 +86,15 @@ def test_deterministic_mode_fixes_shares_order_and_seeds(ray_session):
     from rollflow.data.seeds import derive_seed
 
     workers = [ray.remote(num_cpus=0)(_BatchRecorder).remote(i, d) for i, d in enumerate((0.3, 0.0))]
-    scheduler = RolloutScheduler(workers, _reward, decode=str, max_in_flight=1, seed=7, deterministic=True)
     prompts = [EncodedPrompt({"answer": 0}, "p", [k]) for k in range(5)]
-    result = scheduler.generate(prompts, SamplingParams(n=2), seed_key=("train", 3))
+    samples = _evaluate(workers, _reward, prompts, SamplingParams(n=2), seed_key=("train", 3), max_in_flight=1,
+                        seed=7, deterministic=True)
     seeds = [derive_seed(7, "train", 3, i) for i in range(5)]
     # worker w gets prompts w, w + 2, ... in one batch, in order (the cap does not split it), each seeded
     assert ray.get(workers[0].received.remote()) == [[(0, seeds[0]), (2, seeds[2]), (4, seeds[4])]]
     assert ray.get(workers[1].received.remote()) == [[(1, seeds[1]), (3, seeds[3])]]
     # samples come back in prompt order, each group in sample order, although worker 1 answered first
-    assert [(s.prompt_ids[0], s.response_ids[0]) for s in result.samples] == \
+    assert [(s.prompt_ids[0], s.response_ids[0]) for s in samples] == \
         [(k, seeds[k] % 97 + slot) for k in range(5) for slot in range(2)]
     for worker in workers:
         ray.kill(worker)
@@ -98,11 +109,11 @@ def test_a_rollout_without_progress_stops_naming_the_workers(ray_session):
     from rollflow.errors import StalledError
 
     worker = ray.remote(num_cpus=0)(_Silent).remote()
-    scheduler = RolloutScheduler([worker], _reward, decode=str, watchdog_s=1.0)
     started = time.monotonic()
     with pytest.raises(StalledError, match=r"no progress for 1 s in phase rollout: waiting on actor_infer "
-                                           r"worker 0 \(2 groups generating\)"):
-        scheduler.generate([EncodedPrompt({"answer": 0}, "p", [1])] * 2, SamplingParams(n=1))
+                                           r"worker 0 \(2 requests generating\)"):
+        _evaluate([worker], _reward, [EncodedPrompt({"answer": 0}, "p", [1])] * 2, SamplingParams(n=1),
+                  watchdog_s=1.0)
     assert time.monotonic() - started < 10
     ray.kill(worker)
 
@@ -111,28 +122,29 @@ def test_a_dead_engine_worker_is_one_line(ray_session):
     from rollflow.errors import WorkerDiedError
 
     worker = ray.remote(num_cpus=0)(_Silent).remote()
-    scheduler = RolloutScheduler([worker], _reward, decode=str)
     ray.get(worker.__ray_ready__.remote())
     killer = __import__("threading").Timer(0.5, lambda: ray.kill(worker))
     killer.start()
     with pytest.raises(WorkerDiedError, match=r"^actor_infer worker 0 died during generate"):
-        scheduler.generate([EncodedPrompt({"answer": 0}, "p", [1])], SamplingParams(n=1))
+        _evaluate([worker], _reward, [EncodedPrompt({"answer": 0}, "p", [1])], SamplingParams(n=1))
 
 
 class _PoolFinishesBetweenChecks:
-    """A group reward whose plain rewards finish right after the scheduler first looks at them (the reward
-    pool's threads run concurrently with the scheduling loop)."""
+    """A group reward whose plain reward finishes on a pool thread right after the group is submitted (the
+    reward pool's threads run concurrently with the rollout's loop)."""
 
     class _Pending:
         futures: list = []
 
         def __init__(self):
-            self.checks = 0
+            import concurrent.futures
+            import threading
 
-        @property
-        def plain_pending(self) -> bool:
-            self.checks += 1
-            return self.checks == 1
+            self.future = concurrent.futures.Future()
+            threading.Timer(0.05, self.future.set_result, args=(1.0,)).start()
+
+        def plain_futures(self):
+            return [self.future] if not self.future.done() else []
 
         def finish(self, results):
             return [(1.0, {"answer": 1.0})]
@@ -150,9 +162,10 @@ def test_rewards_finishing_between_checks_never_put_the_loop_to_sleep(ray_sessio
     """Regression: when the last group's pool rewards completed between the loop's two looks at them, the
     loop slept for the whole watchdog period (the quickstart's eval stalled 15 minutes at step 20)."""
     worker = ray.remote(num_cpus=0)(_Instant).remote()
-    scheduler = RolloutScheduler([worker], _PoolFinishesBetweenChecks(), decode=str, watchdog_s=30.0)
+    ray.get(worker.__ray_ready__.remote())
     started = time.monotonic()
-    result = scheduler.generate([EncodedPrompt({"answer": 1}, "p", [1])], SamplingParams(n=1))
+    samples = _evaluate([worker], _PoolFinishesBetweenChecks(), [EncodedPrompt({"answer": 1}, "p", [1])],
+                        SamplingParams(n=1), watchdog_s=30.0)
     assert time.monotonic() - started < 5
-    assert [s.reward for s in result.samples] == [1.0]
+    assert [s.reward for s in samples] == [1.0]
     ray.kill(worker)

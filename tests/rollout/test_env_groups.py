@@ -1,5 +1,6 @@
-"""`EnvRollout` against a scripted engine and real `EnvWorker`s (called in-process): token-exact
-trajectories, step-wise samples, groups with redundancy, failed and hung envs, staleness, lockstep."""
+"""The env-group program on the rollout core, against a scripted engine and real `EnvWorker`s (called
+in-process): token-exact trajectories, step-wise samples, groups with redundancy, failed and hung envs, and
+the core's policy on env groups: staleness, resume, rounds (lockstep and deterministic), tail batching."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.errors import WorkerDiedError
 from rollflow.models import resolve_model_path
-from rollflow.rollout.agentic import EnvRollout, EnvRolloutSettings, episode_metrics
+from rollflow.data.sample import SampleStatus
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
-from rollflow.rollout.episodes import episode_samples, no_episodes_error
+from rollflow.rollout.episodes import episode_metrics, no_episodes_error
 from rollflow.workers.env import EnvWorker
 
 TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
@@ -50,6 +53,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.outputs: list[list[int]] = []
         self.aborted: list[str] = []
+        self.batches: list[list[int]] = []
 
     async def generate(self, request):
         self.prompts.append(list(request.prompt_ids))
@@ -57,6 +61,10 @@ class ScriptedEngine:
         ids = list(self.action_ids)
         self.outputs.append(ids)
         return Completion(request.request_id, [CompletionOutput(ids, [-0.5] * len(ids), [self.version] * len(ids))])
+
+    async def generate_batch(self, requests):
+        self.batches.append([len(r.prompt_ids) for r in requests])
+        return [await self.generate(request) for request in requests]
 
     def abort(self, request_ids):
         self.aborted += request_ids
@@ -68,13 +76,31 @@ def env_worker(env: dict, index: int = 0) -> EnvWorker:
     return EnvWorker(placement, config)
 
 
-def rollout(engine, env: dict, workers: int = 1, **settings) -> EnvRollout:
-    defaults = dict(groups_per_step=2, group_size=2, max_turns=8, max_context_tokens=256, step_timeout_s=5.0,
-                    watchdog_s=60.0)
-    defaults.update(settings)
-    envs = [Remote(env_worker(env, i)) for i in range(workers)]
-    return EnvRollout([Remote(engine)], envs, TurnEncoder(TOKENIZER), EnvRolloutSettings(**defaults),
-                      SamplingParams(6), seed=0)
+CORE = ("groups_per_step", "max_refill_groups", "max_staleness", "lockstep", "deterministic", "overprovision",
+        "long_round_every")
+
+
+def rollout(engine, env: dict, workers: int = 1, env_workers=None, **settings) -> RolloutCore:
+    """A core playing env groups of `env` with `engine`; `settings`: the core's and the episodes' knobs."""
+    core = {"groups_per_step": 2, "watchdog_s": 60.0, **{k: v for k, v in settings.items() if k in CORE}}
+    episodes = {"group_size": 2, "max_turns": 8, "max_context_tokens": 256, "step_timeout_s": 5.0,
+                **{k: v for k, v in settings.items() if k not in CORE}}
+    envs = env_workers or [Remote(env_worker(env, i)) for i in range(workers)]
+    program = EnvGroups(envs, TurnEncoder(TOKENIZER), EpisodeSettings(**episodes), SamplingParams(6))
+    return RolloutCore([Remote(engine)], program, SeedSource(0, 1_000_000), CoreSettings(**core))
+
+
+def evaluate(envs: RolloutCore, seeds: list[int]):
+    return envs.evaluate(seeds, envs.program.for_eval(SamplingParams(6, temperature=0.0)))
+
+
+def played(result) -> list:
+    """The samples a step trains on (failed episodes' samples left out)."""
+    return [s for s in result.samples if s.status not in (SampleStatus.FAILED, SampleStatus.FILTERED)]
+
+
+def failed(result) -> list:
+    return [s for s in result.samples if s.status == SampleStatus.FAILED]
 
 
 # A map where "Right" x3 then "Down" x3 reaches the goal; "Right" alone walks into the wall and stays there.
@@ -88,29 +114,31 @@ def test_trajectories_train_on_exactly_the_tokens_the_engine_sampled():
         result = envs.next_batch(1, 0)
     finally:
         envs.close()
-    episodes = [e for g in result.groups for e in g.episodes]
-    assert len(episodes) == 4 and all(len(e.turns) == 5 for e in episodes)  # truncated at max_turns
-    samples = episode_samples(episodes, {g.index: i for i, g in enumerate(result.groups)}, "trajectory")
+    samples = played(result)
+    assert len(samples) == 4 and all(s.metadata["turns"] == 5 for s in samples)  # truncated at max_turns
     batch = collate(samples, TOKENIZER.pad_token_id)
-    for row, (sample, episode) in enumerate(zip(samples, episodes)):
-        # every turn's prompt is the trajectory so far: history is never re-tokenized
+    for row, sample in enumerate(samples):
         full = sample.prompt_ids + sample.response_ids
-        for turn in episode.turns:
-            assert full[:len(turn.prompt_ids)] == turn.prompt_ids
-            assert full[len(turn.prompt_ids):len(turn.prompt_ids) + len(turn.token_ids)] == turn.token_ids
+        spans = sample.metadata["spans"]
+        for start, end in spans:
+            # every turn's prompt is the trajectory so far (history is never re-tokenized), and its tokens follow
+            assert full[:len(sample.prompt_ids) + start] in engine.prompts
+            assert sample.response_ids[start:end] == engine.action_ids
         trained = batch.input_ids[row, batch.prompt_length:][batch.response_mask[row] > 0].tolist()
-        assert trained == [t for turn in episode.turns for t in turn.token_ids]  # only the sampled tokens
+        assert trained == engine.action_ids * 5  # only the sampled tokens
         assert batch.rollout_logprobs[row][batch.response_mask[row] > 0].eq(-0.5).all()
         versions = batch.policy_versions[row, :len(sample.response_ids)]
         assert (versions[batch.response_mask[row, :len(sample.response_ids)] == 0] == -1).all()
     # the text the engine saw is the chat template's rendering of the conversation
     conversation = []
-    for turn in episodes[0].turns:
-        observation = TOKENIZER.decode(turn.prompt_ids, skip_special_tokens=False).split("<|user|>")[-1]
+    first = samples[0]
+    for start, _ in first.metadata["spans"]:
+        prompt = first.prompt_ids + first.response_ids[:start]
+        observation = TOKENIZER.decode(prompt, skip_special_tokens=False).split("<|user|>")[-1]
         conversation += [{"role": "user", "content": observation.removesuffix("<|assistant|>")},
                          {"role": "assistant", "content": "Right"}]
     rendered = TOKENIZER.apply_chat_template(conversation, tokenize=False)
-    assert TOKENIZER.decode(samples[0].prompt_ids + samples[0].response_ids, skip_special_tokens=False) == rendered
+    assert TOKENIZER.decode(first.prompt_ids + first.response_ids, skip_special_tokens=False) == rendered
 
 
 def test_step_samples_carry_one_turn_each_and_the_advantages_land_on_their_tokens():
@@ -121,14 +149,14 @@ def test_step_samples_carry_one_turn_each_and_the_advantages_land_on_their_token
         result = envs.next_batch(1, 0)
     finally:
         envs.close()
-    episodes = result.groups[0].episodes
-    samples = episode_samples(episodes, {result.groups[0].index: 0}, "step")
+    samples = played(result)
     assert len(samples) == 3 * 4 and all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
     second = samples[1]  # turn 1 of episode 0: its prompt holds turn 0 (history_turns 1)
+    assert second.metadata["turn"] == 1
     assert TOKENIZER.decode(second.prompt_ids, skip_special_tokens=False).count("<|user|>") == 2
     batch = collate(samples, TOKENIZER.pad_token_id)
     algorithm = AgenticConfig.model_validate({"algorithm": {"advantage": "step_reinforce"}}).algorithm
-    EpisodeAdvantages(algorithm, "step")(batch, samples, episodes)
+    EpisodeAdvantages(algorithm, "step")(batch, samples)
     # every step returns 0 (the wall): all step advantages are 0, on every token
     assert batch.extras["advantages"].abs().sum() == 0
     assert (batch.extras["segment_ids"][batch.response_mask > 0] == 0).all()
@@ -152,9 +180,8 @@ def test_redundant_groups_keep_the_first_finishers_and_abort_the_rest():
         elapsed = time.perf_counter() - started
     finally:
         envs.close()
-    group = result.groups[0]
-    assert [e.slot for e in group.episodes] == [1, 2]  # slot 0 was the slow one
-    assert group.aborted == 1 and result.metrics["rollout/aborted"] == 1
+    assert [s.metadata["episode"][1] for s in played(result)] == [1, 2]  # slot 0 was the slow one
+    assert result.metrics["rollout/aborted"] == 1
     assert elapsed < 1.5 and slow and engine.aborted == slow  # did not wait for the slow episode; its request was aborted
 
 
@@ -163,18 +190,17 @@ def test_failing_and_hanging_envs_fail_their_episodes_and_never_the_step():
     faults = {"raise_fraction": 0.2, "hang_fraction": 0.05, "hang_s": 60.0}
     envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3},
                             "step_timeout_s": 0.5, "fault_injection": faults},
-                   workers=2, groups_per_step=4, group_size=2, group_redundancy=2, refill_bound=32)
+                   workers=2, groups_per_step=4, group_size=2, group_redundancy=2, max_refill_groups=32)
     try:
         started = time.perf_counter()
         results = [envs.next_batch(step, 0) for step in (1, 2)]
         elapsed = time.perf_counter() - started
     finally:
         envs.close()
-    failed = sum(r.metrics["rollout/failed"] for r in results)
-    assert failed > 0  # with 20% + 5% faulty steps over ~50 steps some episodes fail
+    assert sum(r.metrics["rollout/failed"] for r in results) > 0  # with 20% + 5% faulty steps some episodes fail
     for result in results:
-        assert len(result.groups) == 4
-        assert all(e.status.value != "failed" for g in result.groups for e in g.episodes)
+        assert result.metrics["rollout/groups/consumed"] == 4
+        assert len({s.group_id for s in played(result)}) == 4 and len(played(result)) == 8
     assert elapsed < 30  # hangs cost their 0.5 s limit, not 60 s
 
 
@@ -182,17 +208,18 @@ def test_when_every_episode_fails_the_step_has_no_groups_and_each_failure_says_w
     engine = ScriptedEngine("Right")
     envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3},
                             "fault_injection": {"raise_fraction": 1.0}}, groups_per_step=2, group_size=2,
-                   refill_bound=1)
+                   max_refill_groups=1)
     try:
         result = envs.next_batch(1, 0)
-        evaluated = envs.evaluate([1_000_000], SamplingParams(6, temperature=0.0))
+        evaluated = evaluate(envs, [1_000_000])
     finally:
         envs.close()
-    assert result.groups == [] and len(result.dropped) == 3  # two groups and the one refill the bound allows
-    assert len(result.failed) == 6 and result.metrics["rollout/failed"] == 6
-    assert {e.error for e in result.failed} == {"env step raised InjectedFault: injected fault: the env raised"}
-    assert all("Traceback" in e.error_details for e in result.failed)
-    error = no_episodes_error("step 1", result.failed, 0, 2)
+    assert played(result) == [] and result.metrics["rollout/groups/failed"] == 3  # two and the one refill allowed
+    assert len(failed(result)) == 6 and result.metrics["rollout/failed"] == 6
+    assert {s.metadata["error"] for s in failed(result)} == \
+        {"env step raised InjectedFault: injected fault: the env raised"}
+    assert all("Traceback" in s.metadata["error_details"] for s in failed(result))
+    error = no_episodes_error("step 1", failed(result), 0, 2)
     assert str(error) == ("step 1: all 6 episodes failed; the first failed with: env step raised InjectedFault: "
                           "injected fault: the env raised")
     assert error.details.startswith("episode errors:\n6 x env step raised InjectedFault") and "Traceback" in error.details
@@ -203,11 +230,12 @@ def test_an_eval_episode_that_fails_keeps_its_own_error():
     engine = ScriptedEngine("Right")
     envs = rollout(engine, {"id": "frozenlake", "eval_kwargs": {"size": 3, "max_turns": 1}})
     try:
-        [episode] = envs.evaluate([1_000_000], SamplingParams(6, temperature=0.0))
+        [sample] = evaluate(envs, [1_000_000])
     finally:
         envs.close()
-    assert episode.status.value == "failed"
-    assert episode.error == "env constructor raised ConfigError: frozenlake: a 3x3 map needs max_turns >= 4, got 1"
+    assert sample.status.value == "failed"
+    assert sample.metadata["error"] == \
+        "env constructor raised ConfigError: frozenlake: a 3x3 map needs max_turns >= 4, got 1"
 
 
 class DeadEnvWorker:
@@ -220,9 +248,7 @@ class DeadEnvWorker:
 
 
 def test_a_dead_env_worker_stops_the_rollout_with_one_line():
-    engine = ScriptedEngine("Right")
-    envs = EnvRollout([Remote(engine)], [DeadEnvWorker()], TurnEncoder(TOKENIZER),
-                      EnvRolloutSettings(groups_per_step=2, group_size=2), SamplingParams(6), seed=0)
+    envs = rollout(ScriptedEngine("Right"), {}, env_workers=[DeadEnvWorker()])
     try:
         started = time.perf_counter()
         with pytest.raises(WorkerDiedError, match=r"^env worker 0 died during reset \(killed, or out of memory\?\)"):
@@ -252,7 +278,7 @@ def test_a_hung_env_step_returns_an_error_within_its_time_limit():
 def test_async_groups_older_than_the_staleness_bound_are_dropped():
     engine = ScriptedEngine("Right")
     envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}},
-                   groups_per_step=2, max_staleness=1, refill_bound=4)
+                   groups_per_step=2, max_staleness=1, max_refill_groups=4)
     try:
         first = envs.next_batch(1, 0)  # then the next step's groups play ahead, at version 0
         time.sleep(0.5)
@@ -260,9 +286,9 @@ def test_async_groups_older_than_the_staleness_bound_are_dropped():
         second = envs.next_batch(3, 3)  # the trainer is at version 3: the groups made at 0 are too old
     finally:
         envs.close()
-    assert len(first.groups) == 2
-    assert second.metrics["rollout/groups_stale"] >= 2
-    assert all(g.oldest_version >= 2 for g in second.groups)
+    assert first.metrics["rollout/groups/consumed"] == 2
+    assert second.metrics["rollout/groups/stale"] >= 2
+    assert all(min(s.policy_versions[i] for i, m in enumerate(s.loss_mask) if m) >= 2 for s in played(second))
 
 
 def test_lockstep_turns_wait_for_every_episode_of_the_step():
@@ -279,19 +305,68 @@ def test_lockstep_turns_wait_for_every_episode_of_the_step():
         envs.next_batch(1, 0)
     finally:
         envs.close()
-    # 4 episodes x 3 turns; a turn's prompts are longer than the last turn's, and all 4 come before the next
-    assert len(order) == 12
-    assert order[:4] == sorted(order[:4]) and max(order[:4]) < min(order[4:8]) and max(order[4:8]) < min(order[8:])
+    # 4 episodes x 3 turns; a turn's prompts are longer than the last turn's, and all 4 come before the next,
+    # in one batch per turn
+    assert len(order) == 12 and engine.batches == [order[:4], order[4:8], order[8:]]
+    assert max(order[:4]) < min(order[4:8]) and max(order[4:8]) < min(order[8:])
+
+
+def test_deterministic_env_rounds_give_the_same_batches_whatever_the_env_timings():
+    """Deterministic rounds for env groups: each turn of the step's episodes goes out as one batch per engine,
+    in (group, slot) order, so the engine sees the same batches whatever order the envs answer in."""
+    seen = []
+    for jitter in (0.0, 0.05):
+        engine = ScriptedEngine("Right")
+        env = {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 3},
+               "simulated_latency": {"median_s": 0.01 + jitter, "sigma": 1.0}}
+        envs = rollout(engine, env, deterministic=True)
+        try:
+            result = envs.next_batch(1, 0)
+        finally:
+            envs.close()
+        seen.append((engine.batches, [s.response_ids for s in played(result)]))
+    assert seen[0] == seen[1] and len(seen[0][0]) == 3 and all(len(batch) == 4 for batch in seen[0][0])
+
+
+def test_tail_batching_cuts_the_slowest_env_groups_and_plays_them_in_a_long_round():
+    """Over-provisioned env groups: a step keeps the first groups that finish, cuts the rest (their turns are
+    aborted) and plays them later in a long round."""
+    slow_seed = SeedSource(0, 1_000_000).take(3)[2]
+
+    def delay(request):
+        return 1.0 if slow_seed in slow_turns.get(request.request_id, ()) else 0.0
+
+    slow_turns: dict = {}
+    engine = ScriptedEngine("Right", lambda request: 0.0)
+    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2},
+                            "simulated_latency": {"median_s": 0.01, "sigma": 0.0}},
+                   groups_per_step=2, overprovision=1.5, long_round_every=2)
+    original = envs.program._episode
+
+    async def slow_group_episode(episode, play):  # the third group's env is slow
+        if episode.seed == slow_seed:
+            await asyncio.sleep(1.0)
+        return await original(episode, play)
+
+    envs.program._episode = slow_group_episode
+    try:
+        first = envs.next_batch(1, 0)
+        second = envs.next_batch(2, 1)
+    finally:
+        envs.close()
+    assert slow_seed not in {s.metadata["seed"] for s in played(first)}
+    assert first.metrics["rollout/groups/aborted"] == 1 and first.metrics["rollout/long_queue"] == 1
+    assert second.metrics["rollout/long_round"] == 1 and slow_seed in {s.metadata["seed"] for s in played(second)}
 
 
 def test_episode_metrics_count_success_and_invalid_actions():
     engine = ScriptedEngine("jump")
     envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}})
     try:
-        episodes = envs.evaluate([5, 6, 7], SamplingParams(6, temperature=0.0))
+        samples = evaluate(envs, [5, 6, 7])
     finally:
         envs.close()
-    metrics = episode_metrics(episodes, "eval")
+    metrics = episode_metrics(samples, "eval")
     assert metrics["eval/success"] == 0 and metrics["eval/invalid_action_frac"] == 1.0
     assert metrics["eval/return"] == pytest.approx(-0.2)  # two invalid turns at -0.1
     assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
@@ -307,10 +382,10 @@ def test_a_resumed_rollout_starts_only_the_next_steps_groups_with_new_seeds():
         first.close()
     resumed = rollout(ScriptedEngine("Right"), env)
     try:
-        resumed.load_state(state, 1)
+        resumed.load_state(state)
         after = resumed.next_batch(2, 0)
-        left_over = len(resumed.ready) + len(resumed.running)
+        left_over = len(resumed._ready) + len(resumed._live) + len(resumed._queue)
     finally:
         resumed.close()
-    assert len(after.groups) == 2 and left_over == 0  # step 2's groups only, nothing played for nothing
-    assert {g.index for g in after.groups}.isdisjoint({g.index for g in before.groups})  # no seed replayed
+    assert after.metrics["rollout/groups/consumed"] == 2 and left_over == 0  # step 2's groups only
+    assert {s.metadata["seed"] for s in played(after)}.isdisjoint({s.metadata["seed"] for s in played(before)})
