@@ -64,7 +64,7 @@ def make(**kwargs):
 AGENTIC = ["pipeline=agentic", "env.max_turns=3", "env.step_timeout_s=2", "rollout.groups_per_step=2",
            "rollout.group_size=2", "eval.episodes=2", "eval.every_steps=0", "train.steps=20",
            "output.trackers=[jsonl]"]
-RLVR = ["train.steps=3", "eval.every_steps=0", "data.eval.limit=8", "rollout.prompts_per_step=8",
+RLVR = ["train.steps=3", "eval.every_steps=0", "data.eval.limit=8", "rollout.groups_per_step=8",
         "output.trackers=[jsonl]"]
 
 

@@ -107,7 +107,7 @@ def run_rollflow(prompts: int, steps: int, out: Path, code: str | None = None, m
     name = f"overhead_{prompts}x{SAMPLES}"
     quickstart = Path(code or REPO) / "examples" / "quickstart.yaml"  # each version runs its own quickstart
     command = [sys.executable, "-m", "rollflow.cli", "train", str(quickstart),
-               f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={SAMPLES}",
+               f"rollout.groups_per_step={prompts}", f"rollout.group_size={SAMPLES}",
                f"train.steps={steps}", "data.eval=null", "output.trackers=[console,jsonl]", f"output.dir={out}",
                f"name={name}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code, os.environ.get("PYTHONPATH")]))}

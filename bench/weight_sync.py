@@ -38,7 +38,7 @@ RUN_TIMEOUT_S = 900  # one pipeline run; the 100M model takes ~1-2 minutes on 2 
 QWEN2_100M = dict(hidden_size=768, num_layers=12, intermediate_size=3072, num_heads=12,
                   num_kv_heads=4, max_positions=64)
 # small steps: the bench measures weight sync, not rollout or training
-OVERRIDES = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=2",
+OVERRIDES = ["rollout.groups_per_step=8", "rollout.group_size=2",
              "train.train_micro_batch_size=16", "eval.every_steps=0", "data.eval=null",
              "checks.logprob_parity_samples=0", "output.trackers=[jsonl]"]
 

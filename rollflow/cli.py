@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="run the pipeline a YAML config names (+ key.path=value overrides)")
     train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", help="overrides like rollout.prompts_per_step=8")
+    train.add_argument("overrides", nargs="*", help="overrides like rollout.groups_per_step=8")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--print-plan", action="store_true",
                        help="print which worker of which role sits on which device and node, and exit")

@@ -73,7 +73,7 @@ def test_print_config_is_the_vllm_fsdp2_gsm8k_run(tmp_path):
     assert (algorithm["advantage"], algorithm["kl_estimator"], algorithm["kl_loss_coef"]) == ("grpo", "k3", 0.001)
     assert config["train"]["lr"] == pytest.approx(1e-6)
     rollout = config["rollout"]
-    assert (rollout["prompts_per_step"], rollout["samples_per_prompt"], rollout["max_new_tokens"]) == (64, 8, 1024)
+    assert (rollout["groups_per_step"], rollout["group_size"], rollout["max_new_tokens"]) == (64, 8, 1024)
 
 
 @pytest.mark.parametrize("completion, expected", [

@@ -12,7 +12,7 @@ The driver never calls `ray.get` on a worker's result without a bound. `get` wai
 - `WorkerError` "actor_train worker 0 failed in train: ValueError: <first line>" for anything else, with
   the worker's full traceback in its `details`.
 
-A caller with its own `ray.wait` loop (the rollout scheduler) maps what it catches with `map_ray_error` and
+A caller that awaits worker calls itself (the rollout core's router) maps what it catches with `map_ray_error` and
 builds its timeout error with `stalled_error`, so every wait reports the same way.
 """
 

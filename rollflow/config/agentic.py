@@ -14,7 +14,8 @@ from rollflow.algorithms import (
     POLICY_LOSSES,
     check_hyperparams,
 )
-from rollflow.config.rlvr import TrainInferCorrectionConfig
+from rollflow.config.rlvr import LossFields
+from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
 from rollflow.config.sections import RunConfigBase, Strict
 
 
@@ -60,21 +61,17 @@ class EnvConfig(Strict):
         default=None, description="Benchmark hook: a log-normal delay before every env step; `null`: off.")
 
 
-class AgenticRolloutConfig(Strict):
+class AgenticRolloutConfig(SamplingFields, GroupFlowFields):
+    """How episodes are played and turned into samples: `groups_per_step` env seeds a step, `group_size`
+    episodes each (the shared rollout vocabulary, `rollflow.config.rollout_fields`)."""
+
     groups_per_step: int = Field(
         default=8, gt=0, description="Env groups (one seed each) whose trajectories one step trains on.")
-    group_size: int = Field(
-        default=8, gt=0,
-        description="Trajectories per group, all from the same seed (so their returns are comparable).")
     group_redundancy: int = Field(
         default=0, ge=0,
         description="Start `group_size` + this many envs per group and keep the first `group_size` that finish "
                     "(the slowest are aborted); failed trajectories are replaced from the spares. A group "
                     "left with fewer than `group_size` is dropped and a new group takes its place.")
-    max_refill_groups: int | None = Field(
-        default=None, ge=0,
-        description="Groups started per step in place of dropped ones (failed, stale); `null`: "
-                    "`groups_per_step`.")
     samples: Literal["trajectory", "step"] = Field(
         default="trajectory",
         description="`trajectory`: one sample per episode, its turns concatenated token-exactly (the model's "
@@ -82,45 +79,23 @@ class AgenticRolloutConfig(Strict):
                     "last `history_turns` turns and the current observation.")
     history_turns: int = Field(
         default=0, ge=0, description="`samples: step`: earlier turns (observation, action) kept in the prompt.")
-    max_new_tokens: int = Field(default=8, gt=0, description="Response length limit of one turn, in tokens.")
     max_context_tokens: int | None = Field(
         default=None, gt=0,
         description="A trajectory whose next turn would exceed this many tokens (prompt and turns) ends "
                     "`truncated`; `null`: the model's `max_position_embeddings`.")
-    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of training rollouts.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling; 1: off.")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0: off.")
-    max_staleness: int = Field(
-        default=0, ge=0,
-        description="Environment-level asynchrony across steps: envs keep playing while the trainer trains, "
-                    "at most this many policy versions ahead; a group with a token older than that is dropped "
-                    "(`rollout/groups_stale`). 0: each step's groups are played from the current weights; a bound above "
-                    "`train.steps` acts as `train.steps`.")
-    overprovision: float = Field(
-        default=1.0, ge=1.0,
-        description="Tail batching for env groups (synchronous runs): start ceil(overprovision x groups_per_step) "
-                    "groups, train on the first that finish, cut the rest (their turns are aborted) and play "
-                    "them together in a long round; 1: off. See [async.md](async.md).")
-    long_round_every: int = Field(
-        default=0, ge=0,
-        description="With `overprovision > 1`: every N-th step is a long round of the cut groups; 0: once they "
-                    "are `groups_per_step`.")
     deterministic: bool = Field(
         default=False,
         description="Play each step's env groups in rounds: every turn of the step's episodes goes to the engines "
                     "as one batch per engine, in (group, episode) order, whatever order the envs answer in (the "
-                    "same run gets the same batches); `false`: each turn is sent as soon as its env answers.")
+                    "same run gets the same batches); `false`: each turn is sent as soon as its env answers, so a "
+                    "slow env holds up only its own episode.")
     lockstep: bool = Field(
         default=False,
         description="Play a step's envs in lockstep (every env's turn waits for all others': the synchronous "
                     "batch-of-envs baseline of `bench/agentic_async.py`); `false`: each env loops on its own.")
 
-    @property
-    def refill_bound(self) -> int:
-        return self.groups_per_step if self.max_refill_groups is None else self.max_refill_groups
 
-
-class AgenticAlgorithmConfig(Strict):
+class AgenticAlgorithmConfig(LossFields):
     """The advantage (per episode or per step) and the actor loss."""
 
     advantage: str = Field(
@@ -129,22 +104,7 @@ class AgenticAlgorithmConfig(Strict):
                     "false}`: REINFORCE with a group baseline), `gigpo` (episode advantage + step advantage "
                     "within groups of identical anchor states) or `step_reinforce`; see "
                     "[algorithms.md](algorithms.md).")
-    advantage_kwargs: dict[str, Any] = Field(
-        default={}, description="The estimator's options, e.g. `{step_weight: 1.0}` for `gigpo`.")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount of the step returns (gigpo, step_reinforce).")
-    policy_loss: str = Field(
-        default="ppo",
-        description="Policy loss by registry name; `ipa_chunk` takes one importance ratio per turn (the "
-                    "geometric mean of its token ratios).")
-    policy_loss_kwargs: dict[str, Any] = Field(default={}, description="The loss's options.")
-    loss_aggregation: str = Field(default="token_mean", description="How per-token losses become one.")
-    kl_loss_coef: float = Field(
-        default=0.0, ge=0, description="> 0 adds coef * KL(policy ‖ reference) and starts the `reference` role.")
-    kl_estimator: str = Field(default="k3", description="KL estimator of the loss term.")
-    entropy_coef: float = Field(default=0.0, description="Weight of the entropy bonus; 0: off.")
-    advantage_clip: float | None = Field(default=None, gt=0, description="Clamp advantages to `[-clip, clip]`.")
-    train_infer_correction: TrainInferCorrectionConfig | None = Field(
-        default=None, description="Train-inference mismatch correction (TIS / MIS); `null`: off.")
 
     @model_validator(mode="after")
     def _known_names(self) -> AgenticAlgorithmConfig:

@@ -41,13 +41,13 @@ A run is one YAML file, validated on load against the typed schema of the pipeli
 (default `{DEFAULT_PIPELINE}`). The [keys every pipeline has](#keys-every-pipeline-has) come first, then each
 pipeline's own sections.
 
-Any key can be overridden on the command line as `key.path=value`, e.g. `rollout.prompts_per_step=32` or
+Any key can be overridden on the command line as `key.path=value`, e.g. `rollout.groups_per_step=32` or
 `roles.actor_train.backend=fsdp2`. The value is parsed as YAML (`3`, `1e-5`, `true`, `[a, b]`, `{{name: x}}`,
 `null`), and overriding one key of a section keeps the section's other keys. `rollflow train CFG
 --print-config` prints the resolved config with every default.
 
 Unknown keys are errors that name the nearest valid key (`unknown config key 'rollout.prompt_per_step'; did
-you mean 'rollout.prompts_per_step'?`); wrong types name the key and the value; batch sizes that do not
+you mean 'rollout.groups_per_step'?`); wrong types name the key and the value; batch sizes that do not
 divide say which number to change. Algorithm, backend and engine names and their options are checked against
 their registries at load time.
 

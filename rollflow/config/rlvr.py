@@ -14,6 +14,7 @@ from rollflow.algorithms import (
     check_hyperparams,
 )
 from rollflow.algorithms.agentic import TURN_LEVEL_LOSSES
+from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
 from rollflow.config.sections import RunConfigBase, Strict
 
 # Estimators whose baseline is the mean of the sample's prompt group: with one sample per prompt the sample is
@@ -21,68 +22,13 @@ from rollflow.config.sections import RunConfigBase, Strict
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "lite_ppo")
 
 
-class RolloutConfig(Strict):
-    prompts_per_step: int = Field(default=16, gt=0, description="Prompts sampled per RL step.")
-    samples_per_prompt: int = Field(
-        default=8, gt=0, description="Completions sampled per prompt (the GRPO group).")
-    max_new_tokens: int = Field(
-        default=8, gt=0,
-        description="Response length limit, in tokens; a response that hits it is `truncated`.")
-    temperature: float = Field(
-        default=1.0, gt=0,
-        description="Sampling temperature; the trainer computes its logprobs at the same temperature.")
-    top_p: float = Field(
-        default=1.0, gt=0, le=1,
-        description="Nucleus sampling: sample from the most likely tokens that hold this much probability; "
-                    "1: off.")
-    top_k: int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0: off.")
-    deterministic: bool = Field(
-        default=True,
-        description="Reproducible rollouts: each sample draws from its own generator keyed by (seed, step, "
-                    "prompt, sample), and each engine worker gets its share of a step's prompts as one batch "
-                    "in a fixed order, so batch composition (and so every float) does not depend on timing. "
-                    "Two runs with the same seed and config then log the same metrics. `false` routes each "
-                    "prompt group to the least-loaded worker as it frees up (faster with several engine "
-                    "workers of uneven speed), at the cost of run-to-run differences. Asynchronous "
-                    "(`max_staleness > 0`) and over-provisioned (`overprovision > 1`) rollouts depend on timing by "
-                    "nature: their seeds stay fixed per prompt, their batches do not.")
-    max_staleness: int = Field(
-        default=0, ge=0,
-        description="Asynchronous training (ROLL Flash): the engines keep generating while the trainer trains, "
-                    "at most this many policy versions ahead; a sample whose oldest token is older is dropped "
-                    "(`rollout/groups/stale`). 0: synchronous steps; a bound above `train.steps` acts as `train.steps` (no "
-                    "sample can be older). Needs `actor_infer` on devices disjoint from "
-                    "the trainer's (`device_mapping`), and turns on `algorithm.train_infer_correction` unless set.")
-    partial_rollout: Literal["continue", "resubmit"] = Field(
-        default="continue",
-        description="Asynchronous mode, when new weights reach the engines mid-generation: `continue` (the "
-                    "running samples go on with the new weights from the next token; each token records its "
-                    "version) or `resubmit` (abort them and send each unfinished sample again as prompt + its "
-                    "tokens so far, kept with their logprobs and versions: for engines that cannot swap weights "
-                    "under a running request).")
-    max_refill_prompts: int | None = Field(
-        default=None, ge=0,
-        description="Dynamic sampling (DAPO): a group dropped by `algorithm.difficulty_mask`, whose samples all "
-                    "failed, or that went stale is replaced by a new prompt, at most this many per step; then "
-                    "the step trains on what it has (`rollout/refill_bound_hit`). `null`: `prompts_per_step`; "
-                    "0: no refills (the batch shrinks).")
-    overprovision: float = Field(
-        default=1.0, ge=1.0,
-        description="Tail batching (RollPacker): a synchronous step launches ceil(overprovision x "
-                    "prompts_per_step) groups, trains on the first `prompts_per_step` that finish and aborts the "
-                    "rest; their prompts wait for a long round. 1: off.")
-    long_round_every: int = Field(
-        default=0, ge=0,
-        description="With `overprovision > 1`: every N-th step runs the aborted prompts to the end (a long "
-                    "round); 0: a long round once `prompts_per_step` aborted prompts wait.")
+class RolloutConfig(SamplingFields, GroupFlowFields):
+    """How RLVR samples: `groups_per_step` prompts a step, `group_size` completions each (the shared rollout
+    vocabulary, `rollflow.config.rollout_fields`)."""
 
     @property
     def samples_per_step(self) -> int:
-        return self.prompts_per_step * self.samples_per_prompt
-
-    @property
-    def refill_bound(self) -> int:
-        return self.prompts_per_step if self.max_refill_prompts is None else self.max_refill_prompts
+        return self.groups_per_step * self.group_size
 
 
 class RewardFunctionConfig(Strict):
@@ -182,27 +128,18 @@ class TrainInferCorrectionConfig(Strict):
         return self
 
 
-class AlgorithmConfig(Strict):
-    """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature.
+class LossFields(Strict):
+    """The actor loss settings every RL pipeline shares (the advantage estimator, its registry and the rest of
+    the algorithm are each pipeline's)."""
 
-    The advantage stage runs, in order: difficulty mask, overlong filter, overlong reward shaping, reward
-    normalization and clipping, KL penalty in the reward, the estimator, advantage whitening and clipping
-    (docs/algorithms.md). Every option below is off by default.
-    """
-
-    advantage: str = Field(
-        default="grpo",
-        description="Advantage estimator, by registry name, e.g. `grpo`, `rloo`, `gae` (starts the `critic` "
-                    "role) or `opd` (on-policy distillation from the `reference`); all of them in "
-                    "[algorithms.md](algorithms.md).")
     advantage_kwargs: dict[str, Any] = Field(
         default={},
-        description="The estimator's options, e.g. `{gamma: 1.0, lam: 0.95}` for `gae`; a misspelled one "
-                    "fails at load time.")
+        description="The estimator's options, e.g. `{gamma: 1.0, lam: 0.95}` for `gae` or `{step_weight: 1.0}` "
+                    "for `gigpo`; a misspelled one fails at load time.")
     policy_loss: str = Field(
         default="ppo",
-        description="Policy loss, by registry name, e.g. `ppo`, `gspo` or `cispo`; all of them in "
-                    "[algorithms.md](algorithms.md).")
+        description="Policy loss, by registry name, e.g. `ppo`, `gspo` or `cispo` (agentic runs also `ipa_chunk`: "
+                    "one importance ratio per turn); all of them in [algorithms.md](algorithms.md).")
     policy_loss_kwargs: dict[str, Any] = Field(
         default={},
         description="The loss's options, e.g. `{clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0}`; a "
@@ -220,6 +157,27 @@ class AlgorithmConfig(Strict):
         default="k3", description="KL estimator of the loss term: `k1`, `k2` (= `mse`), `k3` or `abs`.")
     entropy_coef: float = Field(
         default=0.0, description="Weight of the entropy bonus in the actor loss; 0: off.")
+    advantage_clip: float | None = Field(
+        default=None, gt=0, description="Clamp advantages to `[-clip, clip]` after whitening; `null`: off.")
+    train_infer_correction: TrainInferCorrectionConfig | None = Field(
+        default=None,
+        description="Train-inference mismatch correction in the actor loss (TIS weights, MIS masks), with "
+                    "the ratio `exp(old_logprobs − rollout_logprobs)`; `null`: off.")
+
+
+class AlgorithmConfig(LossFields):
+    """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature.
+
+    The advantage stage runs, in order: difficulty mask, overlong filter, overlong reward shaping, reward
+    normalization and clipping, KL penalty in the reward, the estimator, advantage whitening and clipping
+    (docs/algorithms.md). Every option below is off by default.
+    """
+
+    advantage: str = Field(
+        default="grpo",
+        description="Advantage estimator, by registry name, e.g. `grpo`, `rloo`, `gae` (starts the `critic` "
+                    "role) or `opd` (on-policy distillation from the `reference`); all of them in "
+                    "[algorithms.md](algorithms.md).")
     # Reward shaping, before the estimator.
     reward_norm_mean: NormalizationMode = Field(
         default="none",
@@ -268,13 +226,7 @@ class AlgorithmConfig(Strict):
     # Advantage post-processing, after the estimator.
     whiten_advantages: bool = Field(
         default=False, description="Whiten advantages: zero mean, unit std over the batch's trained tokens.")
-    advantage_clip: float | None = Field(
-        default=None, gt=0, description="Clamp advantages to `[-clip, clip]` after whitening; `null`: off.")
     # Actor loss.
-    train_infer_correction: TrainInferCorrectionConfig | None = Field(
-        default=None,
-        description="Train-inference mismatch correction in the actor loss (TIS weights, MIS masks), with "
-                    "the ratio `exp(old_logprobs − rollout_logprobs)`; `null`: off.")
     # Critic loss (advantage: gae).
     value_clip: float | None = Field(
         default=0.5, gt=0,
@@ -334,8 +286,8 @@ class RLVRConfig(RunConfigBase):
     pipeline: Literal["rlvr"] = Field(default="rlvr", description="Selects this pipeline.")
     rollout: RolloutConfig = Field(
         default=RolloutConfig(),
-        description="How rollouts are sampled. Derived, never set: samples per step = `prompts_per_step × "
-                    "samples_per_prompt`; samples per optimizer step = that ÷ "
+        description="How rollouts are sampled. Derived, never set: samples per step = `groups_per_step × "
+                    "group_size`; samples per optimizer step = that ÷ "
                     "`train.optimizer_steps_per_step`, which must split evenly over the "
                     "`roles.actor_train.num_workers` data-parallel ranks and be divisible by "
                     "`train.train_micro_batch_size` × ranks (when larger).")
@@ -354,7 +306,7 @@ class RLVRConfig(RunConfigBase):
         mini_batches = self.train.optimizer_steps_per_step
         if samples % mini_batches:
             raise ValueError(
-                f"rollout.prompts_per_step x rollout.samples_per_prompt = {samples} samples per step is not "
+                f"rollout.groups_per_step x rollout.group_size = {samples} samples per step is not "
                 f"divisible by train.optimizer_steps_per_step = {mini_batches}; change one of them"
             )
         mini_batch = samples // mini_batches
@@ -363,14 +315,14 @@ class RLVRConfig(RunConfigBase):
         if mini_batch % workers:
             raise ValueError(
                 f"each optimizer step trains on {mini_batch} samples, which the {workers} data-parallel ranks "
-                f"(roles.actor_train.num_workers) cannot split evenly; change rollout.prompts_per_step, "
+                f"(roles.actor_train.num_workers) cannot split evenly; change rollout.groups_per_step, "
                 f"train.optimizer_steps_per_step or roles.actor_train.num_workers"
             )
         if mini_batch % (micro * workers) and micro * workers < mini_batch:
             raise ValueError(
                 f"each optimizer step trains on {mini_batch} samples, which is not divisible by "
                 f"train.train_micro_batch_size ({micro}) x roles.actor_train.num_workers ({workers}); "
-                f"change train.train_micro_batch_size or rollout.prompts_per_step"
+                f"change train.train_micro_batch_size or rollout.groups_per_step"
             )
         return self
 
@@ -378,12 +330,12 @@ class RLVRConfig(RunConfigBase):
     def _groups_fit_the_estimator(self) -> RLVRConfig:
         advantage = self.algorithm.advantage
         group_baseline = advantage == "reinforce_pp" and self.algorithm.advantage_kwargs.get("group_baseline")
-        if self.rollout.samples_per_prompt == 1 and (advantage in GROUP_ESTIMATORS or group_baseline):
+        if self.rollout.group_size == 1 and (advantage in GROUP_ESTIMATORS or group_baseline):
             baseline = "with group_baseline " if group_baseline else ""
             raise ValueError(
                 f"algorithm.advantage {advantage!r} {baseline}compares each sample with the other samples of "
-                "its prompt, but rollout.samples_per_prompt is 1: every advantage would be 0 and the policy "
-                "would learn nothing from the reward; set rollout.samples_per_prompt >= 2, or use an "
+                "its prompt, but rollout.group_size is 1: every advantage would be 0 and the policy "
+                "would learn nothing from the reward; set rollout.group_size >= 2, or use an "
                 "estimator without groups (reinforce, reinforce_pp, gae)")
         return self
 
@@ -397,13 +349,13 @@ class RLVRConfig(RunConfigBase):
         if unknown:
             raise ValueError(f"reward.domains names {', '.join(map(repr, unknown))}, not a domain of "
                              f"data.domains (its domains: {', '.join(domains)})")
-        prompts = self.rollout.prompts_per_step
+        prompts = self.rollout.groups_per_step
         for name, share in self.data.domain_shares().items():
             if share * prompts < 1:
                 raise ValueError(
                     f"data.domains.{name} gets {float(share * prompts):.3g} prompts per step (share "
-                    f"{float(share):.3g} of rollout.prompts_per_step {prompts}); every domain needs at least "
-                    "1: raise its share or rollout.prompts_per_step")
+                    f"{float(share):.3g} of rollout.groups_per_step {prompts}); every domain needs at least "
+                    "1: raise its share or rollout.groups_per_step")
         return self
 
     @model_validator(mode="after")

@@ -138,7 +138,7 @@ class DomainConfig(Strict):
         default=1.0, gt=0,
         description="The domain's share of each step's prompts, relative to the other domains' shares: they "
                     "are normalized to sum to 1 (`{a: 1, b: 3}` gives a 25% and b 75%). Each domain must get at "
-                    "least one prompt a step: normalized share × `rollout.prompts_per_step` >= 1.")
+                    "least one prompt a step: normalized share × `rollout.groups_per_step` >= 1.")
     max_new_tokens: int | None = Field(
         default=None, gt=0,
         description="The domain's own response length limit (at most `rollout.max_new_tokens`, which stays the "
@@ -162,7 +162,7 @@ class DataConfig(Strict):
         default=None,
         description="Train on several domains at once (math, code, rules, ...): name -> `{train, eval, "
                     "share}`, set instead of `data.train` / `data.eval`. Every step draws each domain's share "
-                    "of `rollout.prompts_per_step` (a deterministic smooth weighted round-robin), each domain "
+                    "of `rollout.groups_per_step` (a deterministic smooth weighted round-robin), each domain "
                     "from its own shuffled epochs; its rows get the column `domain` = its name, which picks its "
                     "rewards (`reward.domains`) and names its metrics (`reward/NAME`, "
                     "`rollout/NAME/samples`, `eval/NAME/accuracy`). A name: a letter, then letters, digits or "

@@ -51,7 +51,7 @@ def prompt_rollout(config, groups: WorkerGroups, tokenizer, sampler: Source | No
         program = PromptGroups(reward_fn, decode, sampling or SamplingParams(), tag="eval")
         return RolloutCore(groups["actor_infer"].handles, program, None, settings)
     # no sample can be more versions old than the run has steps: a larger bound only draws prompts past the end
-    settings = CoreSettings(rollout.prompts_per_step, min(rollout.max_staleness, config.train.steps),
+    settings = CoreSettings(rollout.groups_per_step, min(rollout.max_staleness, config.train.steps),
                             rollout.refill_bound, rollout.overprovision, rollout.long_round_every,
                             rollout.partial_rollout, rollout.deterministic, **common)
     domains = config.data.domains or {}

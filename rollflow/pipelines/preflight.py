@@ -116,10 +116,10 @@ def configured_datasets(data: DataConfig) -> list[tuple[str, str, str | None, Da
 
 
 def build_sampler(config: RLVRConfig, inputs: CheckedInputs) -> PromptSampler | DomainSampler:
-    """The run's prompt sampler, `rollout.prompts_per_step` prompts a `next_batch()`: a `PromptSampler` over
+    """The run's prompt sampler, `rollout.groups_per_step` prompts a `next_batch()`: a `PromptSampler` over
     the train prompts, or with `data.domains` a `DomainSampler` mixing one `PromptSampler` per domain
     (seeded `derive_seed(seed, "domain", name)`) by the domains' shares."""
-    data, batch_size = config.data, config.rollout.prompts_per_step
+    data, batch_size = config.data, config.rollout.groups_per_step
     if data.domains is None:
         return PromptSampler(inputs.train_prompts, batch_size, config.seed, data.shuffle)
     samplers = {name: PromptSampler(inputs.train_prompts_by_domain[name], batch_size,

@@ -122,7 +122,7 @@ class RLVRStep:
         self.groups, self.colocation = groups, colocation
         self.advantages = AdvantageStage(config.algorithm, rollout.max_new_tokens)
         sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k,
-                                  n=rollout.samples_per_prompt)
+                                  n=rollout.group_size)
         self.core = prompt_rollout(config, groups, self.inputs.tokenizer, build_sampler(config, self.inputs),
                                    sampling)
         self.greedy = SamplingParams(config.eval.max_new_tokens or rollout.max_new_tokens, temperature=0.0)

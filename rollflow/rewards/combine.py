@@ -14,7 +14,7 @@ Two kinds of reward mix freely. A plain function `fn(completion, **row)` runs wh
 driver), one sample at a time. A *group reward* (`GroupReward`: an LLM judge or a reward model behind reward
 workers) scores a whole group in one call and answers later: `submit_group` sends the group to every group
 reward first, then runs the plain functions while the workers score, and returns a `PendingGroup` whose
-futures the caller waits on (the rollout scheduler keeps collecting other groups meanwhile); its `finish`
+futures the caller waits on (the rollout core keeps playing other groups meanwhile); its `finish`
 turns the results into `(total, parts)` per sample.
 
 A multi-domain run (`data.domains`) may give each domain its own combination: `DomainRewards` sends each

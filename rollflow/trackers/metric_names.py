@@ -102,7 +102,7 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
     ),
     MetricGroup(
         "Rollout: training samples (RLVR)",
-        "The step's sampled responses, as the rollout stream handed them to the trainer, with the samples "
+        "The step's sampled responses, as the rollout core handed them to the trainer, with the samples "
         "of the groups it dropped since the last step (filtered, failed).",
         (
             *_stats("rollout", _SAMPLE_STATS, "the step's training samples"),

@@ -4,7 +4,7 @@ A reward becomes a worker only when it needs a model or a service (`rollflow.rew
 reward functions stay on the driver. The `reward` role is placed, validated and offloaded like every other
 role (`roles.reward`): each of its workers holds every model reward of the run. `RemoteReward` is the
 driver's handle on one model reward: it sends each group to the least-loaded worker and returns the scores
-as a Ray future, so the rollout scheduler keeps collecting other groups' completions while a judge works.
+as a Ray future, so the rollout core keeps collecting other groups' completions while a judge works.
 """
 
 from __future__ import annotations

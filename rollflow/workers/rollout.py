@@ -38,7 +38,7 @@ class RolloutWorker(PlacedWorker):
 
     async def generate_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Every request of `requests`, queued together in this order (so they share the engine's batches
-        the same way on every run: the scheduler's deterministic mode)."""
+        the same way on every run: the rollout core's deterministic mode)."""
         return await generate_together(self.engine, requests, self.worker_index)
 
     async def abort(self, request_ids: list[str]) -> None:

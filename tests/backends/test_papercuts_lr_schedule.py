@@ -69,7 +69,7 @@ def test_an_unchanged_total_resumes_at_the_saved_lr(random_model_dir, tmp_path):
 # ---- critic warm-up: the actor's schedule spans the steps it trains ----------------------------------------
 GAE_RUN = ["algorithm.advantage=gae", "train.steps=6", "train.critic_warmup_steps=2",
            "train.optimizer_steps_per_step=2", "train.lr_schedule=cosine", "train.warmup_steps=1",
-           "rollout.prompts_per_step=8"]
+           "rollout.groups_per_step=8"]
 
 
 def _trainer_lrs(worker, updates: int) -> list[float]:

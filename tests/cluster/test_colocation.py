@@ -15,7 +15,7 @@ ROLES = ["actor_train", "actor_infer", "reference"]
 
 
 def _plan(*overrides):
-    config = load_config(None, ["rollout.prompts_per_step=8", "algorithm.kl_loss_coef=0.1", *overrides])
+    config = load_config(None, ["rollout.groups_per_step=8", "algorithm.kl_loss_coef=0.1", *overrides])
     return plan_roles(config, ROLES, devices_per_node=2)
 
 

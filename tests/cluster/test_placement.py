@@ -10,7 +10,7 @@ from rollflow.workers.roles import plan_roles
 
 
 def _config(*overrides: str) -> RLVRConfig:
-    return load_config(None, ["rollout.prompts_per_step=8", *overrides])
+    return load_config(None, ["rollout.groups_per_step=8", *overrides])
 
 
 def test_no_device_mapping_places_nothing_and_everything_is_colocated():

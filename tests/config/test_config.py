@@ -15,9 +15,9 @@ def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path):
 
 
 def test_overrides_are_parsed_as_yaml_values():
-    config = load_config(None, ["rollout.prompts_per_step=4", "train.lr=3e-5", "data.shuffle=false",
+    config = load_config(None, ["rollout.groups_per_step=4", "train.lr=3e-5", "data.shuffle=false",
                                 "reward.functions=[{name: exact_match, weight: 2}]", "cluster.address=null"])
-    assert config.rollout.prompts_per_step == 4
+    assert config.rollout.groups_per_step == 4
     assert config.train.lr == pytest.approx(3e-5)
     assert config.data.shuffle is False
     assert config.reward.functions[0].name == "exact_match" and config.reward.functions[0].weight == 2.0
@@ -26,11 +26,11 @@ def test_overrides_are_parsed_as_yaml_values():
 
 def test_override_without_equals_is_rejected():
     with pytest.raises(ConfigError, match="key.path=value"):
-        apply_overrides({}, ["rollout.prompts_per_step"])
+        apply_overrides({}, ["rollout.groups_per_step"])
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("rollout.prompt_per_step=4", "did you mean 'rollout.prompts_per_step'"),
+    ("rollout.prompt_per_step=4", "did you mean 'rollout.groups_per_step'"),
     ("roles.actor_train.backnd=x", "did you mean 'roles.actor_train.backend'"),
     ("traing.steps=3", "did you mean 'train'"),
 ])
@@ -46,10 +46,10 @@ def test_wrong_type_names_the_key_and_value():
 
 def test_indivisible_batch_sizes_say_what_to_change():
     with pytest.raises(ConfigError, match="train_micro_batch_size"):
-        load_config(None, ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=8",
+        load_config(None, ["rollout.groups_per_step=3", "rollout.group_size=8",
                            "train.train_micro_batch_size=16"])
     with pytest.raises(ConfigError, match="optimizer_steps_per_step"):
-        load_config(None, ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3",
+        load_config(None, ["rollout.groups_per_step=3", "rollout.group_size=3",
                            "train.optimizer_steps_per_step=2"])
 
 
@@ -83,7 +83,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_samples_per_step_is_derived():
     config = RLVRConfig()
-    assert config.rollout.samples_per_step == config.rollout.prompts_per_step * config.rollout.samples_per_prompt
+    assert config.rollout.samples_per_step == config.rollout.groups_per_step * config.rollout.group_size
 
 
 def test_override_inside_a_default_section_keeps_the_other_defaults(tmp_path):
@@ -122,7 +122,7 @@ def test_domain_shares_are_normalized_exactly():
     # 1.0000000000000002, and 0.3 * 10 is not 3.0 in floats)
     config = load_config(None, ["data.domains={a: {train: {task: add2}, share: 0.1}, "
                                 "b: {train: {task: add2}, share: 0.2}, c: {train: {task: sum3}, share: 0.7}}",
-                                "rollout.prompts_per_step=10", "train.train_micro_batch_size=80"])
+                                "rollout.groups_per_step=10", "train.train_micro_batch_size=80"])
     assert config.data.domain_shares() == {"a": Fraction(1, 10), "b": Fraction(1, 5), "c": Fraction(7, 10)}
     # relative shares: 1 and 3 -> 1/4 and 3/4; the default share is 1
     shares = load_config(None, ["data.domains={a: {train: {task: add2}}, b: {train: {task: sum3}, share: 3}}"])

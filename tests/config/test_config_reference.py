@@ -115,7 +115,7 @@ def test_reference_has_the_keys_users_look_for():
                 "roles.reference.backend", "roles.critic.backend", "roles.reward.device_mapping",
                 "checks.weight_checksum", "cluster.weight_sync_transport", "algorithm.difficulty_mask",
                 "algorithm.train_infer_correction.mask_level", "data.eval.limit", "reward.functions[].name",
-                "rollout.prompts_per_step", "pipeline"):
+                "rollout.groups_per_step", "pipeline"):
         assert key in rows, f"{key} is missing from the config reference"
     assert rows["checks.weight_checksum"][:2] == (r'"full" \| "bucket" \| "off"', "`bucket`")
     assert rows["cluster.weight_sync_transport"][:2] == (r'"object_store" \| "broadcast"', "`object_store`")

@@ -154,15 +154,15 @@ def test_float16_on_cpu_is_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
-def test_a_group_estimator_needs_two_samples_per_prompt(estimator):
-    message = _error([f"algorithm.advantage={estimator}", "rollout.samples_per_prompt=1"])
+def test_a_group_estimator_needs_two_group_size(estimator):
+    message = _error([f"algorithm.advantage={estimator}", "rollout.group_size=1"])
     assert f"algorithm.advantage {estimator!r}" in message and "every advantage would be 0" in message
-    assert "rollout.samples_per_prompt >= 2" in message and "reinforce_pp" in message
+    assert "rollout.group_size >= 2" in message and "reinforce_pp" in message
 
 
-def test_reinforce_pp_with_a_group_baseline_needs_two_samples_per_prompt():
-    overrides = ["algorithm.advantage=reinforce_pp", "rollout.samples_per_prompt=1"]
-    assert load_config(None, overrides).rollout.samples_per_prompt == 1  # no baseline: fine
+def test_reinforce_pp_with_a_group_baseline_needs_two_group_size():
+    overrides = ["algorithm.advantage=reinforce_pp", "rollout.group_size=1"]
+    assert load_config(None, overrides).rollout.group_size == 1  # no baseline: fine
     message = _error([*overrides, "algorithm.advantage_kwargs={group_baseline: true}"])
     assert "'reinforce_pp' with group_baseline" in message
 

@@ -43,7 +43,7 @@ RUN_ELSEWHERE = {
 }
 RUN_HERE = [path for path in RECIPES if path.stem not in RUN_ELSEWHERE]
 QUICKSTART = EXAMPLES / "quickstart.yaml"
-TINY = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+TINY = ["train.steps=3", "rollout.groups_per_step=4", "rollout.group_size=4",
         "train.train_micro_batch_size=16", "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]",
         "roles.actor_train.num_cpus=1", "roles.critic.num_cpus=1"]
 
@@ -80,7 +80,7 @@ def _config(path: Path, overrides: list[str], tmp_path: Path, random_model: str 
     if as_written.algorithm.difficulty_mask is not None:
         # The tiny model gets all 16 samples of the first 4 prompts wrong about one time in three, and the
         # mask then drops the whole step; with 8 prompts a step with nothing to train on is rare.
-        overrides.append("rollout.prompts_per_step=8")
+        overrides.append("rollout.groups_per_step=8")
     tiny = TINY
     if as_written.data.domains:  # each domain has its own eval set
         tiny = [item for item in TINY if not item.startswith("data.eval.")]

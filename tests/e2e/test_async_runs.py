@@ -12,7 +12,7 @@ from rollflow.pipelines.rlvr import run_rlvr
 
 pytestmark = pytest.mark.slow
 
-FAST = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
+FAST = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16",
         "data.eval.limit=16", "eval.every_steps=0", "output.trackers=[console,jsonl]"]
 
 

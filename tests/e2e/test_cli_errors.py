@@ -31,7 +31,7 @@ def test_unknown_key(capsys):
 
 
 def test_wrong_type(capsys):
-    assert "rollout.prompts_per_step" in _error_of(capsys, ["train", QUICKSTART, "rollout.prompts_per_step=many"])
+    assert "rollout.groups_per_step" in _error_of(capsys, ["train", QUICKSTART, "rollout.groups_per_step=many"])
 
 
 def test_missing_model_path(capsys, tmp_path):
@@ -68,7 +68,7 @@ def test_unknown_backend_engine_or_pipeline_name_is_one_line_at_load(capsys, ove
 def test_print_config_prints_resolved_yaml(capsys):
     assert main(["train", QUICKSTART, "--print-config", "train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "steps: 7" in out and "prompts_per_step:" in out
+    assert "steps: 7" in out and "groups_per_step:" in out
 
 
 @pytest.mark.parametrize("argv", [["train", "nope.yaml"]])

@@ -13,7 +13,7 @@ from rollflow.config import load_config
 
 pytestmark = pytest.mark.slow
 
-FAST = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=8",
+FAST = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=8",
         "data.eval.limit=16", "eval.every_steps=0", "output.trackers=[jsonl]", "train.steps=2"]
 
 

@@ -25,7 +25,7 @@ from rollflow.pipelines.rlvr import run_rlvr
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+SMALL = ["train.steps=3", "rollout.groups_per_step=4", "rollout.group_size=4",
          "train.train_micro_batch_size=16", "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]",
          "roles.actor_train.num_cpus=1", "checks.logprob_parity_samples=0"]
 FAILS_WITHIN_S = 120  # a run of a few tiny steps takes ~20 s; the bound only tells an error from a hang
@@ -103,7 +103,7 @@ def test_an_engine_whose_decoding_fails_ends_the_run_in_one_line(ray_session, tm
 
 # ---- a worker killed mid-run, through the real CLI ------------------------------------------------------
 
-CLI_RUN = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
+CLI_RUN = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16",
            "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]", "checks.logprob_parity_samples=0",
            "output.save_every_steps=1", "name=killed", "roles.actor_infer.hybrid=false"]  # an engine process
 EXITS_WITHIN_S = 30  # after the kill
@@ -213,7 +213,7 @@ def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_sess
     config = load_config(None, [*SMALL, "reward.functions=[{name: 'user_rewards:always_fails'}]", "data.eval=null",
                                 "name=broken", f"output.dir={tmp_path}"])
     message = _assert_one_line(_run_until_it_fails(config), StepFailedError)
-    # 4 prompts x 4 samples, and the 4 prompts that refilled the failed groups (rollout.max_refill_prompts)
+    # 4 prompts x 4 samples, and the 4 prompts that refilled the failed groups (rollout.max_refill_groups)
     assert message == "step 1: all 32 samples failed; the first failed with: RuntimeError: this reward is broken"
     assert not (config.run_dir / "checkpoints").exists()  # nothing trained, nothing saved
 

@@ -19,7 +19,7 @@ from rollflow.cluster.reaper import session_processes
 pytestmark = pytest.mark.slow
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
-FAST = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
+FAST = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16",
         "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]", "checks.logprob_parity_samples=0"]
 
 

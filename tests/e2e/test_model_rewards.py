@@ -15,7 +15,7 @@ from rollflow.pipelines.rlvr import run_rlvr
 pytestmark = pytest.mark.slow
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "llm_judge.yaml"
-SMALL = ["train.steps=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+SMALL = ["train.steps=2", "rollout.groups_per_step=4", "rollout.group_size=4",
          "train.train_micro_batch_size=16", "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]",
          "roles.actor_train.num_cpus=1", "output.samples_logged_per_step=16"]
 

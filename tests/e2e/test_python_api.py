@@ -27,7 +27,7 @@ import rollflow.config
 import rollflow.config.loading as loading
 
 SMOKE = {{
-    "rlvr": ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16"],
+    "rlvr": ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16"],
     "sft": ["train.batch_size=16", "train.train_micro_batch_size=16"],
 }}
 _build_config = loading.build_config

@@ -19,7 +19,7 @@ from tests.e2e.test_interrupted_runs import _assert_no_ray_left
 
 pytestmark = pytest.mark.slow
 
-RUN = ["train.steps=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
+RUN = ["train.steps=4", "rollout.groups_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
        "train.train_micro_batch_size=8", "train.lr=1e-4", "data.eval.limit=16", "eval.every_steps=2",
        "output.trackers=[jsonl]", "roles.actor_train.num_cpus=1", "output.save_every_steps=1", "seed=3"]
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")

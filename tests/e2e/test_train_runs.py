@@ -19,7 +19,7 @@ from tests.conftest import save_random_model
 
 pytestmark = pytest.mark.slow
 
-FAST = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=16",
+FAST = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16",
         "data.eval.limit=16", "eval.every_steps=2", "output.trackers=[jsonl,tensorboard]"]
 
 
@@ -136,7 +136,7 @@ def test_user_model_dataset_and_dotted_path_reward(tmp_path):
         data:
           train: {{path: {data}}}
           eval: {{path: {data}}}
-        rollout: {{prompts_per_step: 4, samples_per_prompt: 4, max_new_tokens: 5}}
+        rollout: {{groups_per_step: 4, group_size: 4, max_new_tokens: 5}}
         reward:
           functions: [{{name: "user_pkg.scoring:overlap"}}, {{name: exact_match, weight: 0.5}}]
         algorithm: {{kl_loss_coef: 0.05}}  # starts the reference worker

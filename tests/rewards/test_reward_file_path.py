@@ -164,7 +164,7 @@ def test_a_short_run_with_a_file_reward(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run(
         [sys.executable, "-m", "rollflow.cli", "train", str(QUICKSTART), "train.steps=1", "name=file_reward",
-         f"output.dir={tmp_path}", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+         f"output.dir={tmp_path}", "rollout.groups_per_step=4", "rollout.group_size=2",
          "train.train_micro_batch_size=8", "data.eval.limit=4", "output.trackers=[jsonl]",
          'reward.functions=[{name: "rewards/score.py:score"}]'],
         cwd=project, env=env, capture_output=True, text=True, timeout=600)

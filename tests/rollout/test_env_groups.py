@@ -275,22 +275,6 @@ def test_a_hung_env_step_returns_an_error_within_its_time_limit():
     assert asyncio.run(worker.step("a", "Down"))["error"].startswith("env slot 'a' is not open")
 
 
-def test_async_groups_older_than_the_staleness_bound_are_dropped():
-    engine = ScriptedEngine("Right")
-    envs = rollout(engine, {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 2}},
-                   groups_per_step=2, max_staleness=1, max_refill_groups=4)
-    try:
-        first = envs.next_batch(1, 0)  # then the next step's groups play ahead, at version 0
-        time.sleep(0.5)
-        engine.version = 3
-        second = envs.next_batch(3, 3)  # the trainer is at version 3: the groups made at 0 are too old
-    finally:
-        envs.close()
-    assert first.metrics["rollout/groups/consumed"] == 2
-    assert second.metrics["rollout/groups/stale"] >= 2
-    assert all(min(s.policy_versions[i] for i, m in enumerate(s.loss_mask) if m) >= 2 for s in played(second))
-
-
 def test_lockstep_turns_wait_for_every_episode_of_the_step():
     order = []
 

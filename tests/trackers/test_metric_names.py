@@ -185,7 +185,7 @@ def test_every_key_of_a_quickstart_run_is_documented(tmp_path, ray_session):
 
     config = load_config(ROOT / "examples" / "quickstart.yaml", [
         f"output.dir={tmp_path}", "name=quick", "output.trackers=[jsonl]", "train.steps=2",
-        "rollout.prompts_per_step=8", "data.eval.limit=16", "eval.every_steps=1",
+        "rollout.groups_per_step=8", "data.eval.limit=16", "eval.every_steps=1",
         "roles.actor_infer.hybrid=false"])  # an engine worker of its own: it offloads, with memory/ metrics
     run_rlvr(config, manage_ray=False)
     keys = {key for row in read_records(tmp_path / "quick" / "metrics.jsonl") for key in row}

@@ -15,7 +15,7 @@ PLACEMENT = WorkerPlacement("actor_train", 0, (), None, (), threads=1)
 
 
 def _worker(model_dir, objective):
-    config = load_config(None, [f"model.path={model_dir}", "train.lr=1e-2", "rollout.prompts_per_step=8"])
+    config = load_config(None, [f"model.path={model_dir}", "train.lr=1e-2", "rollout.groups_per_step=8"])
     return ActorTrainWorker(PLACEMENT, config, objective)
 
 

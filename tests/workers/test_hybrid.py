@@ -21,7 +21,7 @@ from rollflow.workers.hybrid import HybridWorker
 from rollflow.workers.roles import describe_roles, plan_roles
 
 PLACEMENT = WorkerPlacement("actor_train", 0, (), None, (), threads=1)
-HYBRID = ["roles.actor_infer.hybrid=true", "rollout.prompts_per_step=8"]
+HYBRID = ["roles.actor_infer.hybrid=true", "rollout.groups_per_step=8"]
 
 
 def _config(*overrides):

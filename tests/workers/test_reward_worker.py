@@ -1,5 +1,5 @@
 """Reward workers in a Ray session: the `reward` role is spawned, placed and offloaded like every role; a
-model reward scores a whole group per call, off the driver, and the rollout scheduler keeps collecting other
+model reward scores a whole group per call, off the driver, and the rollout core keeps collecting other
 groups' completions while a group is being scored."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ PLACEMENT = WorkerPlacement("reward", 0, (), None, (), threads=1)
 
 
 def _config(*overrides):
-    return load_config(None, ["rollout.prompts_per_step=8", *overrides])
+    return load_config(None, ["rollout.groups_per_step=8", *overrides])
 
 
 def _dead(group: WorkerGroup, timeout_s: float = 30.0) -> bool:
@@ -213,7 +213,7 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     finished = [scored_sample(by_group[k]).rewards["slow/finished"] for k in range(3)]
     # Group 0 is scored while groups 1-3 are still generating (they finish 0.2, 0.4, 0.6 s after it) ...
     assert finished[0] > generated[3]
-    # ... and the scheduler sends each group as it arrives instead of waiting for group 0's scores.
+    # ... and the core sends each group as it arrives instead of waiting for group 0's scores.
     assert max(started) < finished[0]
     assert result.metrics["time/reward"] < 0.5 * delay_s  # time the rollout's loop spent on rewards
     # Serial scoring would take 4 x 1.5 s; overlapped it is about 0.6 s of generation + 1.5 s.
