@@ -21,20 +21,27 @@ from rollflow.trackers.metric_names import documented_metric
 ROWS = [("hard", "a/b", True), ("hard", "gsm", False), ("easy", "gsm", True), ("easy", None, True)]
 
 
-class ScriptedScheduler:
-    """Answers each prompt with "right" or "wrong", scored 1 or 0, as the real scheduler hands samples back."""
+class ScriptedCore:
+    """A rollout core whose eval answers each prompt with "right" or "wrong", scored 1 or 0, as the real core's
+    `evaluate` hands samples back; it records each eval's seed key and the program's greedy sampling."""
 
     def __init__(self):
         self.calls = []
+        self.program = self
 
-    def generate(self, prompts, params, seed_key=None):
+    def for_eval(self, params):
+        self.params = params
+        return self
+
+    def evaluate(self, prompts, program, seed_key=()):
+        assert program is self and self.params.temperature == 0.0
         self.calls.append(seed_key)
         samples = []
         for index, prompt in enumerate(prompts):
             right = prompt.row["right"]
             samples.append(Sample([1], [2], group_id=index, reward=float(right), rewards={"math_answer": float(right)},
                                   prompt_text=prompt.text, response_text="right" if right else "wrong", row=prompt.row))
-        return type("Result", (), {"samples": samples})
+        return samples
 
 
 class Phases:
@@ -51,8 +58,8 @@ def _prompts(rows=ROWS) -> list[EncodedPrompt]:
             for i, (difficulty, source, right) in enumerate(rows)]
 
 
-def _evaluate(tmp_path, step, group_by=("difficulty", "source"), prompts=None, scheduler=None):
-    return evaluate(scheduler or ScriptedScheduler(), Phases(), _prompts() if prompts is None else prompts,
+def _evaluate(tmp_path, step, group_by=("difficulty", "source"), prompts=None, core=None):
+    return evaluate(core or ScriptedCore(), Phases(), _prompts() if prompts is None else prompts,
                     SamplingParams(4, temperature=0.0), step, group_by=group_by,
                     samples_path=tmp_path / "eval_samples.jsonl")
 
@@ -86,12 +93,12 @@ def test_a_failed_sample_counts_as_wrong_in_its_group():
 def test_a_missing_column_is_one_config_error_before_anything_generates(tmp_path):
     prompts = _prompts()
     del prompts[2].row["difficulty"]
-    scheduler = ScriptedScheduler()
+    core = ScriptedCore()
     with pytest.raises(ConfigError) as info:
-        _evaluate(tmp_path, 0, prompts=prompts, scheduler=scheduler)
+        _evaluate(tmp_path, 0, prompts=prompts, core=core)
     assert str(info.value) == ("eval.group_by: row 3 of the eval set has no column 'difficulty'; its columns: "
                                "answer, prompt, right, source")
-    assert scheduler.calls == [] and not (tmp_path / "eval_samples.jsonl").exists()
+    assert core.calls == [] and not (tmp_path / "eval_samples.jsonl").exists()
 
 
 def test_every_eval_appends_its_samples_with_the_step_and_columns(tmp_path):
@@ -107,7 +114,7 @@ def test_every_eval_appends_its_samples_with_the_step_and_columns(tmp_path):
 
 
 def test_no_samples_path_writes_nothing(tmp_path):
-    evaluate(ScriptedScheduler(), Phases(), _prompts(), SamplingParams(4, temperature=0.0), 0,
+    evaluate(ScriptedCore(), Phases(), _prompts(), SamplingParams(4, temperature=0.0), 0,
              group_by=["difficulty"])
     assert list(tmp_path.iterdir()) == []
 

@@ -42,10 +42,9 @@ def test_every_key_the_pipelines_plot_has_a_described_panel():
     plotted = set(inspect.signature(plot_curves).parameters["keys"].default)
     for path in (ROOT / "rollflow" / "pipelines").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "plot_curves" and node.args[1:]:
-                for key in node.args[1].elts:  # a tuple of keys, each a literal or `"a" if ... else "b"`
-                    for branch in (key.body, key.orelse) if isinstance(key, ast.IfExp) else (key,):
-                        plotted.add(ast.literal_eval(branch))
+            # a step object's `plot_keys = (...)` (rollflow/pipelines/loop.py draws them)
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["plot_keys"]:
+                plotted.update(ast.literal_eval(node.value))
     assert {"reward/mean", "eval/accuracy", "rollout/success", "loss", "dpo/loss"} <= plotted  # the scan found them
     assert plotted <= set(PANELS), f"describe in rollflow/trackers/plots.py PANELS: {plotted - set(PANELS)}"
     figure = curves_figure([{"step": step, **dict.fromkeys(PANELS, 0.5)} for step in range(3)], tuple(PANELS))
