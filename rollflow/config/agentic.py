@@ -14,7 +14,7 @@ from rollflow.algorithms import (
     POLICY_LOSSES,
     check_hyperparams,
 )
-from rollflow.config.rlvr import LossFields
+from rollflow.config.rlvr import LossFields, TrainInferCorrectionConfig
 from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
 from rollflow.config.sections import RunConfigBase, Strict
 

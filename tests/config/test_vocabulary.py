@@ -30,3 +30,12 @@ def test_old_and_new_name_together_is_one_line():
     with pytest.raises(ConfigError, match=r"rollout.prompts_per_step is the old name of rollout.groups_per_step, "
                                           r"and both are set"):
         load_config(None, ["pipeline=rlvr", "rollout.prompts_per_step=3", "rollout.groups_per_step=4"])
+
+
+@pytest.mark.parametrize("pipeline", ["examples/async.yaml", "examples/agentic_frozenlake.yaml"])
+def test_an_asynchronous_rollout_turns_the_train_infer_correction_on_in_both_pipelines(pipeline):
+    devices = ["roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[1]"]
+    asynchronous = load_config(pipeline, ["rollout.max_staleness=1", *devices])
+    assert asynchronous.algorithm.train_infer_correction is not None  # TIS by default
+    explicit = load_config(pipeline, ["rollout.max_staleness=1", "algorithm.train_infer_correction=null", *devices])
+    assert explicit.algorithm.train_infer_correction is None  # a user's choice stands
