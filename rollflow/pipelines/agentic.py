@@ -9,7 +9,7 @@ episode per held-out seed and reports `eval/success`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.cluster.colocation import ColocationManager

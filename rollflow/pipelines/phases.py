@@ -19,9 +19,9 @@ from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import Sample
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
+from rollflow.rollout.core import CoreSettings, RolloutCore, Source
 from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import is_correct, rollout_metrics
-from rollflow.rollout.core import CoreSettings, RolloutCore, Source
 from rollflow.rollout.prompt_groups import PromptGroups
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples

@@ -20,8 +20,8 @@ from rollflow.pipelines.phases import (
     check_group_by,
     eval_summary_lines,
     evaluate,
-    reference_logprobs,
     prompt_rollout,
+    reference_logprobs,
     sync_weights,
 )
 from rollflow.pipelines.preflight import build_sampler, check_inputs

@@ -16,12 +16,11 @@ from transformers import AutoTokenizer
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import collate
+from rollflow.data.sample import SampleStatus, collate
 from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.errors import WorkerDiedError
 from rollflow.models import resolve_model_path
-from rollflow.data.sample import SampleStatus
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
