@@ -97,6 +97,8 @@ class TorchBackend(TrainingBackendBase):
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "torch_rng": torch.get_rng_state(),
+            # dropout (LoRA's) on a GPU draws from the CUDA generator: a resumed step must draw the same
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
             "python_rng": random.getstate(),
         }
         save_training_state(state, path / "trainer_state.pt")
@@ -121,4 +123,6 @@ class TorchBackend(TrainingBackendBase):
         if self.scheduler and state["scheduler"]:
             load_scheduler_state(self.scheduler, state["scheduler"])  # stretched to a raised train.steps
         torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:  # older checkpoints have none
+            torch.cuda.set_rng_state(state["cuda_rng"])
         random.setstate(state["python_rng"])

@@ -1,4 +1,5 @@
-"""LoRA in the torch backend: adapters-only training, the adapters-off reference, merged weights, save/load."""
+"""LoRA in the torch backend: adapters-only training, the adapters-off reference, merged weights, save/load.
+On CPU (the tests compare with CPU tensors); LoRA on a GPU: tests/test_cuda.py."""
 
 import json
 
@@ -32,7 +33,7 @@ def _loss():
 def _trained(model_dir, lora=LORA, steps=1, **kwargs):
     """A LoRA backend after `steps` optimizer steps (LoRA's B starts at 0: one step makes the adapters act)."""
     torch.manual_seed(0)
-    backend = TorchBackend(TrainerSettings(model_dir, lr=1e-2, micro_batch_size=8, lora=lora, **kwargs))
+    backend = TorchBackend(TrainerSettings(model_dir, device="cpu", lr=1e-2, micro_batch_size=8, lora=lora, **kwargs))
     for _ in range(steps):
         backend.train_step(_batch(), _loss())
     return backend
@@ -72,7 +73,7 @@ def test_only_adapters_train_and_the_base_weights_stay_frozen(random_model_dir):
 
 def test_target_modules_list_puts_adapters_only_there(random_model_dir):
     lora = {"rank": 2, "target_modules": ["q_proj", "v_proj"]}
-    backend = TorchBackend(TrainerSettings(random_model_dir, lora=lora))
+    backend = TorchBackend(TrainerSettings(random_model_dir, device="cpu", lora=lora))
     adapted = {name.split(".lora_")[0].rsplit(".", 1)[1]
                for name, p in backend.model.named_parameters() if p.requires_grad}
     assert adapted == {"q_proj", "v_proj"}
@@ -80,9 +81,9 @@ def test_target_modules_list_puts_adapters_only_there(random_model_dir):
 
 def test_misspelled_lora_setting_is_an_error_naming_it(random_model_dir):
     with pytest.raises(ValidationError, match="rnak"):
-        TorchBackend(TrainerSettings(random_model_dir, lora={"rnak": 4}))
+        TorchBackend(TrainerSettings(random_model_dir, device="cpu", lora={"rnak": 4}))
     with pytest.raises(ValueError, match="lora needs a trainable causal LM"):
-        TorchBackend(TrainerSettings(random_model_dir, lora=LORA, value_head=True))
+        TorchBackend(TrainerSettings(random_model_dir, device="cpu", lora=LORA, value_head=True))
 
 
 def test_merged_weight_is_w_plus_scale_b_a(random_model_dir):
@@ -114,7 +115,7 @@ def test_named_weights_are_the_plain_models_names_and_give_the_peft_logits(rando
 def test_reference_logprobs_are_the_base_models(random_model_dir):
     backend = _trained(random_model_dir, steps=2)
     batch = _batch()
-    base = TorchBackend(TrainerSettings(random_model_dir, trainable=False, micro_batch_size=8))
+    base = TorchBackend(TrainerSettings(random_model_dir, device="cpu", trainable=False, micro_batch_size=8))
     expected = base.forward_logprobs(batch, temperature=0.7)  # [B, T]
     reference = backend.forward_reference_logprobs(batch, temperature=0.7)
     assert torch.allclose(reference, expected, atol=1e-6)
@@ -132,7 +133,7 @@ def test_worker_reference_logprobs_use_the_backends_adapters_off_model(random_mo
     config = load_config(None, [f"model.path={random_model_dir}", "rollout.temperature=0.7"])
     worker = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1), config, "policy_gradient")
     worker.backend = _trained(random_model_dir)  # instead of init_backend: this LoRA backend
-    frozen = TorchBackend(TrainerSettings(random_model_dir, trainable=False))
+    frozen = TorchBackend(TrainerSettings(random_model_dir, device="cpu", trainable=False))
     expected = frozen.forward_logprobs(_batch(), temperature=0.7)
     assert torch.allclose(worker.compute_reference_logprobs(_batch()), expected, atol=1e-6)
 
@@ -163,7 +164,7 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
     backend = _trained(random_model_dir, lora=lora, steps=2, warmup_steps=4)
     backend.save(tmp_path / "ckpt")
     rng_at_save = torch.get_rng_state()  # one process holds both runs: each must draw from this state
-    restored = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora,
+    restored = TorchBackend(TrainerSettings(random_model_dir, device="cpu", lr=1e-2, micro_batch_size=8, lora=lora,
                                             warmup_steps=4))
     torch.manual_seed(123)
     restored.load(tmp_path / "ckpt")
@@ -174,7 +175,7 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
     backend.train_step(_batch(), _loss())
     a, b = dict(backend.model.named_parameters()), dict(restored.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in a)
-    fresh = TorchBackend(TrainerSettings(random_model_dir, lr=1e-2, micro_batch_size=8, lora=lora,
+    fresh = TorchBackend(TrainerSettings(random_model_dir, device="cpu", lr=1e-2, micro_batch_size=8, lora=lora,
                                          warmup_steps=4))
     fresh.train_step(_batch(), _loss())  # without load: different adapters, so the check above has teeth
     c = dict(fresh.model.named_parameters())
@@ -183,6 +184,6 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
 
 def test_load_rejects_adapters_of_another_shape(random_model_dir, tmp_path):
     _trained(random_model_dir).save(tmp_path / "ckpt")
-    other = TorchBackend(TrainerSettings(random_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]}))
+    other = TorchBackend(TrainerSettings(random_model_dir, device="cpu", lora={"rank": 4, "target_modules": ["q_proj"]}))
     with pytest.raises(ValueError, match="does not match"):
         other.load(tmp_path / "ckpt")
