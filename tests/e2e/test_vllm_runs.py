@@ -1,5 +1,6 @@
 """The `vllm` engine through the real pipelines (vLLM's CPU build here), in the shared Ray session: an
-asynchronous run with partial rollout (`continue`, then resumed with `resubmit`), examples/quickstart_vllm.yaml
+asynchronous run with partial rollout in `resubmit` mode (`continue` across a load: tests/engines/test_vllm_engine.py;
+an asynchronous resume: tests/e2e/test_async_runs.py), examples/quickstart_vllm.yaml
 colocated with two engine workers behind the router and tail batching (over-provisioned groups aborted, a
 long round), a multi-turn agentic run on vLLM's prefix cache, and a start-up refusal as one line.
 
@@ -32,20 +33,21 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_partial_rollout_continues_then_resumes_resubmitting(ray_session, tmp_path):
-    common = [*VLLM, *SMALL, "name=run", f"output.dir={tmp_path}", "rollout.max_new_tokens=12"]
-    run_rlvr(load_config("examples/async.yaml", ["train.steps=3", *common]), manage_ray=False)
-    config = load_config("examples/async.yaml", ["train.steps=5", "resume=true",
-                                                 "rollout.partial_rollout=resubmit", *common])
+def test_an_asynchronous_run_in_resubmit_mode_stays_within_its_staleness(ray_session, tmp_path):
+    config = load_config("examples/async.yaml", ["train.steps=4", "rollout.partial_rollout=resubmit", *VLLM, *SMALL,
+                                                 "name=run", f"output.dir={tmp_path}", "rollout.max_new_tokens=48",
+                                                 "rollout.temperature=2.0", "eval.max_new_tokens=6"])
     final = run_rlvr(config, manage_ray=False)
     rows = _rows(config.run_dir)
-    assert [r["step"] for r in rows] == list(range(6))  # steps 0-3, resumed at 3: none lost, none twice
+    assert [r["step"] for r in rows] == list(range(5))
     steps = rows[1:]
     assert all(r["staleness/max"] <= 1 for r in steps)
     assert any(r["staleness/max"] == 1 for r in steps)  # vLLM generated ahead of the trainer
-    assert [r["sync/version"] for r in steps] == [1, 2, 3, 4, 5]  # one verified sync per step, in memory
+    assert [r["sync/version"] for r in steps] == [1, 2, 3, 4]  # one verified sync per step, in memory
     assert all(r["rollout/groups/consumed"] == 8 for r in steps)
-    assert all("rollout/resubmitted_samples" in r for r in steps[3:])
+    # whether a sync finds samples still generating (and resubmits them) depends on timing: on this machine it did at
+    # the 4th step of one run (2 samples); the resubmission itself is tested in tests/rollout/test_core.py
+    assert all("rollout/resubmitted_samples" in r for r in steps)
     assert final["rollout/reward_mean"] == final["rollout/reward_mean"]  # finite
 
 
