@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 BACKENDS: Registry[str] = Registry("training backend")
 BACKENDS.register("torch")("rollflow.backends.torch_backend:TorchBackend")
 BACKENDS.register("fsdp2")("rollflow.backends.fsdp2:FSDP2Backend")
+BACKENDS.register("sim")("rollflow.backends.sim:SimBackend")  # simulated GPUs (cluster.device: sim)
 
 
 def backend_class(name: str) -> type:

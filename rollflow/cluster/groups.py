@@ -293,10 +293,14 @@ def cluster_shape(device: str, num_devices: int | None = None) -> tuple[int, int
     """(devices per node, nodes) of the running Ray cluster, as the plan counts them.
 
     Args:
-        device: "cpu" or "gpu" (`cluster.device`).
+        device: "cpu", "gpu" or "sim" (`cluster.device`; "sim": `num_devices` simulated GPUs on one node).
         num_devices: overrides the per-node count (e.g. use 2 of a node's 8 cores); otherwise a node's CPUs
             or GPUs as Ray sees them, the smallest over the nodes that have any.
     """
+    if device == "sim":  # simulated GPUs: as many as the config says, on one node, no Ray resources
+        if not num_devices:
+            raise ConfigError("cluster.device sim needs cluster.num_devices: the simulated GPUs of the cluster")
+        return num_devices, 1
     resource = "CPU" if device == "cpu" else "GPU"
     counts = [int(node["Resources"].get(resource, 0)) for node in ray.nodes() if node["Alive"]]
     counts = [count for count in counts if count > 0]
@@ -307,8 +311,8 @@ def cluster_shape(device: str, num_devices: int | None = None) -> tuple[int, int
 
 def reserve_bundles(plan: PlacementPlan) -> PlacementGroup | None:
     """One placement-group bundle per node holding all of its devices, each bundle on its own node; None when
-    the plan places nothing."""
-    if not plan.placed:
+    the plan places nothing or its devices are simulated."""
+    if not plan.placed or plan.device == "sim":  # simulated GPUs hold no Ray resources
         return None
     resource = "CPU" if plan.device == "cpu" else "GPU"
     bundles = [{resource: float(plan.devices_per_node)} for _ in range(plan.num_nodes)]

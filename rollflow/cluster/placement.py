@@ -22,6 +22,9 @@ from typing import Protocol
 
 from rollflow.errors import ConfigError
 
+# what a device index names, per `cluster.device` ("sim": a GPU the sim engine and backend simulate)
+DEVICE_UNITS = {"cpu": "CPU slots", "gpu": "GPUs", "sim": "simulated GPUs"}
+
 
 class RoleSpec(Protocol):
     """What the plan reads of a role's config section (`rollflow.config.RoleConfig` has these)."""
@@ -56,7 +59,7 @@ class WorkerPlacement:
 class PlacementPlan:
     """The validated plan for one run (see the module docstring)."""
 
-    device: str  # "cpu" | "gpu"
+    device: str  # "cpu" | "gpu" | "sim"
     devices_per_node: int
     num_nodes: int
     workers: dict[str, list[WorkerPlacement]] = field(default_factory=dict)
@@ -97,8 +100,7 @@ class PlacementPlan:
 
     def describe(self) -> str:
         """A human-readable table of the plan (what `rollflow train --print-plan` prints)."""
-        unit = "CPU slots" if self.device == "cpu" else "GPUs"
-        lines = [f"cluster: {self.num_nodes} node(s) x {self.devices_per_node} {unit}"]
+        lines = [f"cluster: {self.num_nodes} node(s) x {self.devices_per_node} {DEVICE_UNITS[self.device]}"]
         if not self.placed:
             lines.append("no device_mapping: every worker runs on node 0 and the roles time-share its devices")
         lines.append(f"{'role':<12} {'worker':>6}  {'node':>4}  {'devices':<16} {'threads':>7}")
@@ -126,8 +128,8 @@ def plan_placement(roles: Mapping[str, RoleSpec], device: str, devices_per_node:
 
     Args:
         roles: role name -> its spec (`num_workers`, `num_cpus`, `device_mapping`), in start order.
-        device: "cpu" or "gpu" (what a device index names).
-        devices_per_node: CPU slots (device "cpu") or GPUs (device "gpu") on each node.
+        device: "cpu", "gpu" or "sim" (what a device index names, `DEVICE_UNITS`).
+        devices_per_node: CPU slots (device "cpu"), GPUs or simulated GPUs on each node.
         num_nodes: nodes in the cluster.
 
     Returns:
@@ -157,10 +159,9 @@ def _place_role(role: str, num_workers: int, num_cpus: float, mapping: list[int]
         raise ConfigError(f"{where} lists device(s) {repeated} more than once; a role uses each device once")
     outside = [d for d in mapping if not 0 <= d < total]
     if outside:
-        unit = "CPU slots" if device == "cpu" else "GPUs"
         raise ConfigError(
             f"{where} uses device {outside[0]}, but the cluster has {total} device(s) ({total // devices_per_node} "
-            f"node(s) x {devices_per_node} {unit}); use devices 0..{total - 1} or add nodes")
+            f"node(s) x {devices_per_node} {DEVICE_UNITS[device]}); use devices 0..{total - 1} or add nodes")
     if len(mapping) % num_workers:
         raise ConfigError(
             f"{where} lists {len(mapping)} devices for roles.{role}.num_workers={num_workers}; every worker gets "

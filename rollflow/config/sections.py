@@ -10,15 +10,17 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.backends import BACKENDS, check_backend_kwargs
 from rollflow.backends.base import SETTINGS_FIELDS
 from rollflow.backends.lora import LoraConfig
+from rollflow.config.simulation import SimConfig, check_simulated
 from rollflow.config.values import (
     MAX_NAME_LENGTH,
+    Strict,
     control_characters,
     is_default,
     name_problem,
@@ -33,27 +35,6 @@ SEED_LIMIT = 2**64  # torch's generators take a seed in [0, 2**64); a larger one
 # A domain's name becomes part of metric names (`reward/NAME`, `rollout/NAME/samples`, `eval/NAME/accuracy`).
 DOMAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 RESERVED_DOMAIN_NAMES = ("mean", "std", "reward")  # taken: `reward/mean`, `reward/std`, `rollout/reward/NAME`
-
-
-def _leaf_annotations(annotation: Any) -> list[Any]:
-    args = get_args(annotation)
-    return [leaf for arg in args for leaf in _leaf_annotations(arg)] if args else [annotation]
-
-
-class Strict(BaseModel):
-    """Base of every config section: unknown keys are errors, numbers are finite (no NaN or inf), and a
-    boolean is not taken for a number (`steps: true` would otherwise mean 1 step)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and info.field_name is not None:
-            leaves = _leaf_annotations(cls.model_fields[info.field_name].annotation)
-            if (int in leaves or float in leaves) and bool not in leaves and Any not in leaves:
-                raise ValueError("expected a number, not true / false")
-        return value
 
 
 class ModelConfig(Strict):
@@ -464,13 +445,19 @@ class ClusterConfig(Strict):
     num_cpus: int | None = Field(
         default=None,
         description="CPUs a local Ray may use; `null`: all of them. Unused when joining a cluster.")
-    device: Literal["cpu", "gpu"] = Field(
+    device: Literal["cpu", "gpu", "sim"] = Field(
         default="cpu",
-        description="What a device index in `roles.*.device_mapping` names: a CPU slot (core) or a GPU.")
+        description="What a device index in `roles.*.device_mapping` names: a CPU slot (core), a GPU, or a "
+                    "simulated GPU (`sim`: the `sim` engine and backend run a hardware profile's costs, "
+                    "`cluster.sim`; see [simulation.md](simulation.md)).")
     num_devices: int | None = Field(
         default=None,
         description="Devices per node; `null`: the CPUs or GPUs Ray sees on each node. Device `d` is local "
-                    "device `d % num_devices` of node `d // num_devices`.")
+                    "device `d % num_devices` of node `d // num_devices`. With `device: sim`, the simulated "
+                    "GPUs (one node).")
+    sim: SimConfig = Field(
+        default=SimConfig(),
+        description="The simulated cluster of `device: sim`: hardware profile, time and token scales.")
     weight_sync_bucket_mb: float = Field(
         default=64.0, gt=0,
         description="Size of one piece of the trainer -> engines weight transfer, in MiB.")
@@ -640,6 +627,11 @@ class RunConfigBase(Strict):
             raise ValueError("roles.actor_infer.hybrid copies weights inside one process; "
                              "cluster.weight_sync_transport: broadcast needs separate engine workers, "
                              "set roles.actor_infer.hybrid=false")
+        return self
+
+    @model_validator(mode="after")
+    def _simulated_all_through(self) -> RunConfigBase:
+        check_simulated(self)
         return self
 
     @model_validator(mode="after")

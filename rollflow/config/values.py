@@ -1,13 +1,13 @@
 """Checks of raw config values the sections share: run names, paths, column names, non-finite numbers, and
-whether a raw value is a section's default."""
+whether a raw value is a section's default; and `Strict`, the base of every section."""
 
 from __future__ import annotations
 
 import math
 import unicodedata
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 MAX_NAME_LENGTH = 100  # a run name's characters (`rollflow.cli` keeps a copy: it cannot import this package)
 
@@ -72,3 +72,24 @@ def non_finite(node: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float
         if found is not None:
             return found
     return None
+
+
+def _leaf_annotations(annotation: Any) -> list[Any]:
+    args = get_args(annotation)
+    return [leaf for arg in args for leaf in _leaf_annotations(arg)] if args else [annotation]
+
+
+class Strict(BaseModel):
+    """Base of every config section: unknown keys are errors, numbers are finite (no NaN or inf), and a
+    boolean is not taken for a number (`steps: true` would otherwise mean 1 step)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            leaves = _leaf_annotations(cls.model_fields[info.field_name].annotation)
+            if (int in leaves or float in leaves) and bool not in leaves and Any not in leaves:
+                raise ValueError("expected a number, not true / false")
+        return value

@@ -17,6 +17,7 @@ ENGINES: Registry[str] = Registry("inference engine")
 ENGINES.register("hf")("rollflow.engines.hf:HFEngine")
 ENGINES.register("vllm")("rollflow.engines.vllm_engine:VLLMEngine")
 ENGINES.register("sglang")("rollflow.engines.sglang_engine:SGLangEngine")
+ENGINES.register("sim")("rollflow.engines.sim:SimEngine")  # simulated GPUs (cluster.device: sim)
 
 
 # engine -> (the package it imports, how to install it)

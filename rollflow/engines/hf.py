@@ -137,6 +137,7 @@ class HFEngine:
         self._runner: asyncio.Task | None = None
         self.stats = {"tokens": 0, "prefills": 0, "prefill_tokens": 0, "waves": 0, "decode_steps": 0,
                       "decode_seconds": 0.0}
+        self.batch_trace: list[int] | None = None  # a list: each token step appends its running rows
 
     @property
     def version(self) -> int:
@@ -356,6 +357,8 @@ class HFEngine:
         self._drop_aborted(batch)
         if not batch.running:
             return False
+        if self.batch_trace is not None:
+            self.batch_trace.append(batch.running)
         tokens, logprobs = self._sample(batch)  # [B], [B]
         batch.record(tokens, logprobs, self._lifecycle.version)
         self.stats["tokens"] += batch.running

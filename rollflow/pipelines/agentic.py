@@ -22,7 +22,7 @@ from rollflow.errors import ConfigError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
-from rollflow.pipelines.preflight import context_length
+from rollflow.pipelines.preflight import run_context_length
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
@@ -106,8 +106,8 @@ class AgenticStep:
         check_model_files(model.path)
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt)
-        self.settings = episode_settings(self.config,
-                                         context_length(load_model_config(model.path, model.trust_remote_code)))
+        self.settings = episode_settings(self.config, run_context_length(
+            self.config, load_model_config(model.path, model.trust_remote_code)))
         return []
 
     def start_lines(self) -> list[str]:

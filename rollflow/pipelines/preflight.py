@@ -80,11 +80,11 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     if config.algorithm.needs_reference and config.roles.reference.model_path is not None:
         check_model_files(config.roles.reference.model_path)
     model_config = load_model_config(model.path, model.trust_remote_code)
-    check_generation_limits(config, model_config)
+    context = run_context_length(config, model_config)
+    check_generation_limits(config, context)
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     data = config.data
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
-    context = context_length(model_config)
     prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
     limits = {"train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
               "eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
@@ -143,13 +143,18 @@ def context_length(model_config: Any) -> int | None:
     return None
 
 
-def check_generation_limits(config: RLVRConfig, model_config: Any) -> None:
-    """A response limit must leave room for a prompt in the model's context.
+def run_context_length(config: Any, model_config: Any) -> int | None:
+    """The context the run's prompts and responses must fit: the model's (`context_length`), or None on a
+    simulated cluster, whose engines run no model (their tokens stand for `cluster.sim.token_scale` each)."""
+    return None if config.cluster.device == "sim" else context_length(model_config)
+
+
+def check_generation_limits(config: RLVRConfig, context: int | None) -> None:
+    """A response limit must leave room for a prompt in the model's context (`run_context_length`).
 
     Raises:
         ConfigError: `rollout.max_new_tokens` or `eval.max_new_tokens` >= the context length.
     """
-    context = context_length(model_config)
     if context is None:
         return
     for key, value in (("rollout.max_new_tokens", config.rollout.max_new_tokens),

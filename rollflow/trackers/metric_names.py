@@ -421,6 +421,15 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
         ),
     ),
     MetricGroup(
+        "Simulated cluster",
+        "Runs on simulated GPUs (`cluster.device: sim`, [simulation.md](simulation.md)).",
+        (
+            Metric("sim/train_tokens", "tokens",
+                   "Simulated tokens of one optimizer step's batch (its tokens times `cluster.sim.token_scale`): "
+                   "what the `sim` backend's step costs."),
+        ),
+    ),
+    MetricGroup(
         "Time",
         "Wall time of the step's phases.",
         (

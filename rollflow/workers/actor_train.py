@@ -14,7 +14,13 @@ from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.data.seeds import derive_seed
 from rollflow.errors import NonFiniteError
-from rollflow.workers.base import PlacedWorker, nonfinite_in_role, sampling_temperature, trainer_settings
+from rollflow.workers.base import (
+    PlacedWorker,
+    nonfinite_in_role,
+    sampling_temperature,
+    simulation_kwargs,
+    trainer_settings,
+)
 from rollflow.workers.objectives import OBJECTIVES, train_mini_batches
 
 
@@ -50,7 +56,8 @@ class ActorTrainWorker(PlacedWorker):
         role, train = config.roles.actor_train, config.train
         lora = role.lora.model_dump() if role.lora is not None else None
         settings = trainer_settings(config, lr=train.lr, lora=lora, total_steps=config.actor_optimizer_steps)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
+        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
+                                      **simulation_kwargs(config, self.placement, "actor_train", role.backend))
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] logprobs of the response tokens under the current weights."""

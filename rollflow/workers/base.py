@@ -124,6 +124,30 @@ def sampling_temperature(config) -> float:
     return rollout.temperature if rollout is not None else 1.0
 
 
+def simulation_kwargs(config, placement: WorkerPlacement, role: str, component: str) -> dict:
+    """The `simulation` keyword of a `sim` engine or backend on a simulated cluster (`cluster.device: sim`): the
+    run's `cluster.sim`, with this worker's simulated GPUs; {} on a real cluster.
+
+    Args:
+        config: the run config.
+        placement: the worker's (its devices are its simulated GPUs).
+        role: the role, for the error.
+        component: the engine or backend name the role configures.
+
+    Raises:
+        ConfigError: a role that would run real model math on a simulated cluster.
+    """
+    if config.cluster.device != "sim":
+        return {}
+    if component != "sim":
+        from rollflow.errors import ConfigError
+
+        kind = "engine" if role == "actor_infer" else "backend"
+        raise ConfigError(f"cluster.device sim: roles.{role}.{kind} is {component}; set it to sim (a simulated "
+                          "cluster runs no model)")
+    return {"simulation": vars(config.cluster.sim.settings(max(1, len(placement.devices))))}
+
+
 def torch_device(config) -> str:
     """The torch device a worker's model lives on: "cuda" when the cluster's devices are GPUs."""
     return "cuda" if config.cluster.device == "gpu" else "cpu"

@@ -17,7 +17,7 @@ from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.data.seeds import derive_seed
 from rollflow.errors import NonFiniteError
-from rollflow.workers.base import PlacedWorker, nonfinite_in_role, trainer_settings
+from rollflow.workers.base import PlacedWorker, nonfinite_in_role, simulation_kwargs, trainer_settings
 from rollflow.workers.objectives import train_mini_batches
 
 
@@ -72,7 +72,8 @@ class CriticWorker(PlacedWorker):
         torch.manual_seed(config.seed)
         role = config.roles.critic
         settings = trainer_settings(config, lr=config.train.critic_lr, value_head=True)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
+        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
+                                      **simulation_kwargs(config, self.placement, "critic", role.backend))
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """[B, T] values of the response tokens, aligned like logprobs (0 on padding)."""

@@ -42,7 +42,7 @@ class HybridWorker(PlacedWorker):
     def __init__(self, placement: WorkerPlacement, config: RunConfigBase, objective: str = "policy_gradient"):
         super().__init__(placement, config.cluster.device)
         self.trainer = ActorTrainWorker(placement, config, objective)
-        self.engine = build_engine(config, placement.index)
+        self.engine = build_engine(config, placement)
 
     def _span_lane(self, method: str) -> str | None:
         """The timeline lane of `method`'s spans (`rollflow.spans.traced`): the engine's own lane."""

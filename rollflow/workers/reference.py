@@ -9,7 +9,7 @@ from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, sampling_temperature, trainer_settings
+from rollflow.workers.base import PlacedWorker, sampling_temperature, simulation_kwargs, trainer_settings
 
 
 class ReferenceWorker(PlacedWorker):
@@ -34,7 +34,8 @@ class ReferenceWorker(PlacedWorker):
         role = self.config.roles.reference
         settings = trainer_settings(self.config, model_path=role.model_path or self.config.model.path,
                                     trainable=False)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs)
+        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
+                                      **simulation_kwargs(self.config, self.placement, "reference", role.backend))
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] reference logprobs of the response tokens."""

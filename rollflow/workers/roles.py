@@ -112,8 +112,11 @@ def describe_plan(config: RunConfigBase, roles: Sequence[str]) -> str:
         finally:
             stop_ray()
     else:
-        local = len(os.sched_getaffinity(0)) if config.cluster.device == "cpu" else torch.cuda.device_count()
-        devices_per_node, num_nodes = config.cluster.num_devices or config.cluster.num_cpus or local, 1
+        if config.cluster.device == "sim":
+            devices_per_node, num_nodes = cluster_shape("sim", config.cluster.num_devices)
+        else:
+            local = len(os.sched_getaffinity(0)) if config.cluster.device == "cpu" else torch.cuda.device_count()
+            devices_per_node, num_nodes = config.cluster.num_devices or config.cluster.num_cpus or local, 1
     return plan_roles(config, roles, devices_per_node, num_nodes).describe()
 
 

@@ -15,7 +15,7 @@ from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
-from rollflow.workers.base import PlacedWorker, move_report, torch_device
+from rollflow.workers.base import PlacedWorker, move_report, simulation_kwargs, torch_device
 
 
 class RolloutWorker(PlacedWorker):
@@ -31,7 +31,7 @@ class RolloutWorker(PlacedWorker):
         self.worker_index = placement.index
         self.device = config.cluster.device
         self.broadcast: BroadcastGroup | None = None
-        self.engine = build_engine(config, self.worker_index)
+        self.engine = build_engine(config, placement)
 
     async def generate(self, request: GenerationRequest) -> Completion:
         return await generate_one(self.engine, request, self.worker_index)
@@ -91,9 +91,10 @@ class RolloutWorker(PlacedWorker):
         self.engine.close()
 
 
-def build_engine(config: RunConfigBase, worker_index: int):
-    """The engine `roles.actor_infer` configures, for engine worker `worker_index` (its sampling seed)."""
-    role = config.roles.actor_infer
+def build_engine(config: RunConfigBase, placement: WorkerPlacement):
+    """The engine `roles.actor_infer` configures, for the engine worker placed at `placement` (its index seeds
+    its sampling; on a simulated cluster its devices are its simulated GPUs)."""
+    role, worker_index = config.roles.actor_infer, placement.index
     # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
     on_device = role.engine == "hf" and "device" not in role.engine_kwargs
     device = {"device": torch_device(config)} if on_device else {}
@@ -102,6 +103,7 @@ def build_engine(config: RunConfigBase, worker_index: int):
         # 32 bits: vLLM and SGLang also seed numpy's global generator, which takes only [0, 2**32)
         seed=derive_seed(config.seed, "engine", worker_index, bits=32),
         trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
+        **simulation_kwargs(config, placement, "actor_infer", role.engine),
     )
 
 

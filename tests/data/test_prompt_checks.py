@@ -15,6 +15,7 @@ from rollflow.pipelines.preflight import (
     dataset_source,
     encode_prompts,
     resource_warnings,
+    run_context_length,
 )
 from rollflow.rewards.registry import needs_columns, required_columns
 
@@ -120,12 +121,21 @@ def test_max_prompt_tokens_names_the_row(encoder):
 
 def test_generation_limits_leave_room_for_a_prompt():
     model = SimpleNamespace(max_position_embeddings=64)
-    check_generation_limits(load_config(None, ["rollout.max_new_tokens=63"]), model)
+
+    def check(*overrides):
+        config = load_config(None, list(overrides))
+        check_generation_limits(config, run_context_length(config, model))
+
+    check("rollout.max_new_tokens=63")
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens is 64, but the model's context holds 64 tokens"):
-        check_generation_limits(load_config(None, ["rollout.max_new_tokens=64"]), model)
+        check("rollout.max_new_tokens=64")
     with pytest.raises(ConfigError, match=r"eval.max_new_tokens is 100, .* set it below 64"):
-        check_generation_limits(load_config(None, ["eval.max_new_tokens=100"]), model)
-    check_generation_limits(load_config(None, ["eval.max_new_tokens=100"]), SimpleNamespace())  # no context
+        check("eval.max_new_tokens=100")
+    config = load_config(None, ["eval.max_new_tokens=100"])
+    check_generation_limits(config, run_context_length(config, SimpleNamespace()))  # no context
+    # a simulated cluster runs no model: its tokens stand for cluster.sim.token_scale each
+    check("rollout.max_new_tokens=512", "cluster.device=sim", "cluster.num_devices=2", "roles.actor_infer.engine=sim",
+          "roles.actor_train.backend=sim")
 
 
 def test_context_length_reads_each_familys_attribute():
