@@ -190,6 +190,25 @@ def _new_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`rollflow plan`: simulate the config's placements on `--gpus` GPUs of `--profile`, print the best."""
+    import json as json_module
+
+    from rollflow.pipelines.plan import format_plan, plan
+
+    if args.lengths_from is not None:
+        lengths = {"replay": args.lengths_from}
+    else:
+        lengths = {"median": args.median_tokens, "tail_ratio": args.tail_ratio}
+    out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.config).stem}-{args.gpus}gpus"
+    result = plan(args.config, args.overrides, args.profile, args.gpus, out, steps=args.steps,
+                  time_scale=args.time_scale, max_new_tokens=args.max_new_tokens, lengths=lengths)
+    (out / "plan.json").write_text(json_module.dumps(result, indent=1))
+    print(format_plan(result, out))
+    print(f"plan: {out / 'plan.json'}")
+    return 0
+
+
 def _remote_cause(err: BaseException) -> BaseException:
     """The worker's own exception when `err` came out of a Ray actor (whose message is a whole traceback)."""
     cause = getattr(err, "cause", None)
@@ -220,6 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         command.add_argument("--print-plan", action="store_true", help="print the placement plan and exit")
         command.set_defaults(handler=_train, pipeline=name, prestart=_prestart_for_train)
+
+    planner = commands.add_parser(
+        "plan", help="simulate an RLVR config on N GPUs of a hardware profile and recommend the split between "
+                     "training and rollout (docs/simulation.md)")
+    planner.add_argument("config", help="YAML config file (an RLVR config)")
+    planner.add_argument("overrides", nargs="*", help="overrides like rollout.groups_per_step=128")
+    planner.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
+    planner.add_argument("--profile", default="h800-7b", help="hardware profile (default h800-7b; also h200-7b)")
+    planner.add_argument("--steps", type=int, default=6, help="simulated steps per placement (default 6)")
+    planner.add_argument("--time-scale", type=float, default=20.0,
+                         help="simulated seconds per wall second (default 20)")
+    planner.add_argument("--max-new-tokens", type=int, default=None,
+                         help="response limit in tokens of the real model (default: rollout.max_new_tokens)")
+    planner.add_argument("--median-tokens", type=float, default=300.0, help="median response (default 300)")
+    planner.add_argument("--tail-ratio", type=float, default=20.0,
+                         help="99th percentile response over the median (default 20)")
+    planner.add_argument("--lengths-from", default=None,
+                         help="replay the response lengths of a run's samples.jsonl instead")
+    planner.add_argument("--out", default=None, help="directory of the simulated runs (default runs/plan-...)")
+    planner.set_defaults(handler=_plan)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
     evaluate.add_argument("--model", required=True, help="bundled name, HF directory, checkpoint or hub id")
