@@ -249,7 +249,7 @@ class Play:
     def _dispatched(self) -> None:
         if self.group.state == GroupState.QUEUED:
             self.group.state = GroupState.GENERATING
-            self.core.dispatched()
+            self.core.dispatched(self.group)
 
 
 class RolloutCore:
@@ -270,6 +270,7 @@ class RolloutCore:
         self._queue: collections.deque[Group] = collections.deque()  # drawn, not started
         self._long_queue: collections.deque[Group] = collections.deque()
         self._live: dict[Group, asyncio.Task] = {}
+        self._undispatched: set[Group] = set()  # playing, but no request sent yet (`_launch` counts them)
         self._ready: list[Group] = []
         self._quota = 0
         self._next_index = 0
@@ -343,8 +344,9 @@ class RolloutCore:
     def count_tokens(self, outputs: list[CompletionOutput]) -> None:
         self._generated_tokens += sum(len(o.token_ids) for o in outputs)
 
-    def dispatched(self) -> None:
+    def dispatched(self, group: Group) -> None:
         """A queued group sent its first request: the source may refill the queue."""
+        self._undispatched.discard(group)
         self._launch()
 
     # ---- a training step (on the loop) ------------------------------------------------------------------------
@@ -389,7 +391,8 @@ class RolloutCore:
         nothing plays."""
         if self.closing or self.source is None:
             return
-        waiting = len(self._queue) + sum(g.state == GroupState.QUEUED for g in self._live)
+        # a set, not a scan of `_live`: this runs at every group's first request (16k samples a step: 2k groups)
+        waiting = len(self._queue) + len(self._undispatched)
         count = min(self._quota, self.settings.launched_per_step - waiting)
         if count > 0:
             self._quota -= count
@@ -406,19 +409,23 @@ class RolloutCore:
                 round.join(self.program.participants(group))
         for group in groups:
             play = Play(self, group, round, ("train",), False, self.program.tag)
+            self._undispatched.add(group)
             self._live[group] = self.loop.create_task(self._play(group, play))
 
     async def _play(self, group: Group, play: Play) -> None:
         try:
             state = await self.program.play(group, play)
         except asyncio.CancelledError:
+            self._undispatched.discard(group)
             return
         except BaseException as err:  # noqa: BLE001 - it reaches the driver at its next batch
             self._error = self._error or err
             self._live.pop(group, None)
+            self._undispatched.discard(group)
             self._notify()
             return
         self._live.pop(group, None)
+        self._undispatched.discard(group)
         self._ended_playing(group, state)
         self._notify()
         self._launch()
