@@ -27,9 +27,9 @@ from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.cluster.runtime import pin_threads
 from rollflow.config import load_config
 from rollflow.data.multiturn import TurnEncoder
+from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import SamplingParams
 from rollflow.models import load_tokenizer
-from rollflow.data.sample import SampleStatus
 from rollflow.pipelines.agentic import env_rollout, episode_settings
 from rollflow.workers.roles import start_roles
 
