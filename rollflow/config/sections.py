@@ -305,7 +305,8 @@ class TrainerRoleConfig(RoleConfig):
     backend: str = Field(
         default="torch",
         description="Training backend: `torch` (one process) or `fsdp2` (data parallel over `num_workers` "
-                    "ranks); see [backends.md](backends.md).")
+                    "ranks); see [backends.md](backends.md). `sim`: simulated GPUs (`cluster.device: sim`, "
+                    "[simulation.md](simulation.md)).")
     backend_kwargs: dict[str, Any] = Field(
         default={},
         description="Backend-specific options passed through, e.g. fsdp2's `mixed_precision`. Checked at "
@@ -344,7 +345,8 @@ class ActorInferConfig(RoleConfig):
     engine: str = Field(
         default="hf",
         description="Inference engine: `hf` (transformers, CPU or one GPU), `vllm` or `sglang`; see "
-                    "[engines.md](engines.md).")
+                    "[engines.md](engines.md). `sim`: a simulated GPU (`cluster.device: sim`, "
+                    "[simulation.md](simulation.md)).")
     max_batch_size: int = Field(
         default=256, gt=0,
         description="Sequences one worker decodes together (vLLM's `max_num_seqs`, SGLang's "

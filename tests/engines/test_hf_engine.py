@@ -179,8 +179,8 @@ def test_any_request_seed_gives_sample_seeds_inside_torch_range(engine):
 
 
 def test_engine_registry_is_lazy_and_rejects_unknown_names(random_model_dir):
-    assert ENGINES.names() == ["hf", "sglang", "vllm"]
-    with pytest.raises(UnknownNameError, match="Did you mean 'vllm'.*Valid: hf, sglang, vllm"):
+    assert ENGINES.names() == ["hf", "sglang", "sim", "vllm"]
+    with pytest.raises(UnknownNameError, match="Did you mean 'vllm'.*Valid: hf, sglang, sim, vllm"):
         create_engine("vlm", model_path=random_model_dir)
     # Only selecting a GPU engine imports its module, and only constructing it imports the library.
     code = ("import sys, rollflow.engines, rollflow.engines.vllm_engine, rollflow.engines.sglang_engine; "
