@@ -4,7 +4,7 @@ batching pay, how the rollout scales to 64 engines, and where the driver saturat
 Every run is the real pipeline through Ray: the driver, the roles' Ray actors, the rollout core, the staleness
 bound, the weight-sync protocol (small real payloads, checksummed) and the metrics; only the model math is
 replaced by the `sim` engine and the `sim` backend, which sleep what the hardware profile says (`cluster.device:
-sim`, docs/simulation.md; the placements and overrides are `rollout plan`'s, rollflow/pipelines/plan.py). The
+sim`, docs/simulation.md; the placements and overrides are `rollflow plan`'s, rollflow/pipelines/plan.py). The
 RLVR workload is GRPO, 64 groups of 8 a step, responses drawn from the profile's long tail (median 300 simulated
 tokens, 99th percentile 20x that, capped at 8,192).
 

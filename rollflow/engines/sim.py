@@ -40,6 +40,7 @@ class _Pending:
     request: GenerationRequest
     future: asyncio.Future
     submitted: float
+    submitted_step: int  # the engine's decode steps when it was queued (`admit_wait_steps` counts from it)
     outputs: list[CompletionOutput] = field(default_factory=list)
     unfinished: int = 0
     admitted: float | None = None
@@ -106,7 +107,6 @@ class SimEngine:
         self._segment: _Segment | None = None
         self._changed: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
-        self._queued_at_step: dict[_Pending, int] = {}
 
     @property
     def version(self) -> int:
@@ -117,9 +117,8 @@ class SimEngine:
         """Simulate `request.params.n` samples; RuntimeError while asleep or closed."""
         self._lifecycle.check_can_generate()
         loop = asyncio.get_running_loop()
-        pending = _Pending(request, loop.create_future(), time.perf_counter())
+        pending = _Pending(request, loop.create_future(), time.perf_counter(), self.stats["decode_steps"])
         self._queue.append(pending)
-        self._queued_at_step[pending] = self.stats["decode_steps"]
         if self._runner is None or self._runner.done():
             self._changed = asyncio.Event()
             self._runner = loop.create_task(self._run())
@@ -132,8 +131,7 @@ class SimEngine:
         self._advance()
         for pending in [p for p in self._queue if p.request.request_id in ids]:
             self._queue.remove(pending)
-            self._queued_at_step.pop(pending, None)
-            self._resolve(pending, [CompletionOutput(finish_reason="abort") for _ in range(pending.request.params.n)])
+            self._resolve(pending, unstarted_outputs(pending))
         for row in [r for r in self._rows if r.pending.request.request_id in ids]:
             self._finish(row, "abort")
         if self._changed is not None:
@@ -165,7 +163,7 @@ class SimEngine:
         for row in list(self._rows):
             self._finish(row, "abort")
         for pending in list(self._queue):
-            self._resolve(pending, [CompletionOutput(finish_reason="abort") for _ in range(pending.request.params.n)])
+            self._resolve(pending, unstarted_outputs(pending))
         self._queue.clear()
 
     # ---- simulation ----------------------------------------------------------------------------------
@@ -246,10 +244,9 @@ class SimEngine:
             n = pending.request.params.n
             if (admitted or running) and running + n > self.max_running:
                 break
-            if running and self.stats["decode_steps"] - self._queued_at_step[pending] < self.admit_wait_steps:
+            if running and self.stats["decode_steps"] - pending.submitted_step < self.admit_wait_steps:
                 break
             admitted.append(self._queue.popleft())
-            self._queued_at_step.pop(pending, None)
             running += n
         if not admitted:
             return
@@ -261,7 +258,7 @@ class SimEngine:
             prompt_tokens += prompt
             pending.admitted = time.perf_counter()
             pending.unfinished = params.n
-            pending.outputs = [CompletionOutput(finish_reason="abort") for _ in range(params.n)]
+            pending.outputs = unstarted_outputs(pending)  # "abort" until each row finishes
             for slot in range(params.n):
                 rng = random.Random(sample_seed(params.seed, slot)) if params.seed is not None \
                     else random.Random(self.rng.getrandbits(63))
@@ -305,6 +302,11 @@ class SimEngine:
             "seconds": now - pending.submitted, "queue_seconds": admitted - pending.submitted,
             "version": self._lifecycle.version, "prefill_tokens": len(pending.request.prompt_ids),
             "prefix_reused_tokens": 0}))
+
+
+def unstarted_outputs(pending: _Pending) -> list[CompletionOutput]:
+    """One empty "abort" output per sample of `pending`: what it resolves with before any of its rows ran."""
+    return [CompletionOutput(finish_reason="abort") for _ in range(pending.request.params.n)]
 
 
 def token_space(model_path: str, trust_remote_code: bool = False) -> tuple[int, list[int]]:

@@ -416,16 +416,15 @@ class RolloutCore:
         try:
             state = await self.program.play(group, play)
         except asyncio.CancelledError:
-            self._undispatched.discard(group)
             return
         except BaseException as err:  # noqa: BLE001 - it reaches the driver at its next batch
             self._error = self._error or err
             self._live.pop(group, None)
-            self._undispatched.discard(group)
             self._notify()
             return
+        finally:  # however it ended, it no longer waits to send its first request
+            self._undispatched.discard(group)
         self._live.pop(group, None)
-        self._undispatched.discard(group)
         self._ended_playing(group, state)
         self._notify()
         self._launch()
