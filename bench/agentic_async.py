@@ -9,10 +9,12 @@ episode of the step has finished the previous one. `async` lets every env loop o
 waits for its slowest group); `async_redundancy` also starts `--redundancy` spare episodes per group and keeps
 the first `--group-size` that finish; `async_across_steps` (`max_staleness: 1`) starts the next step's groups
 while this step's finish, so no step waits for a straggler. Each mode runs `--repeats` steps after a warm-up
-step; each mode's rate is its trajectories over the wall time of all its steps.
+step; each mode's rate is its trajectories over the wall time of all its steps. `--service N` plays the same
+envs through N local `rollflow env serve` servers (`env.id`: the list of their URLs; the delay still sleeps in
+the env workers, in front of the HTTP call), so the figures include what serving envs over HTTP costs.
 
 Usage: python bench/agentic_async.py [--groups 8] [--group-size 8] [--turns 6] [--median-s 0.05] [--sigma 1.5]
-       [--repeats 4]
+       [--repeats 4] [--service 0]
 Prints one JSON line: trajectories/s of each mode and their ratio.
 """
 
@@ -20,8 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
+
+import httpx
 
 from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.cluster.runtime import pin_threads
@@ -44,10 +52,24 @@ def main() -> None:
     parser.add_argument("--env-workers", type=int, default=2)
     parser.add_argument("--redundancy", type=int, default=2, help="spare episodes per group (async_redundancy)")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--service", type=int, default=0,
+                        help="play the envs through this many local `rollflow env serve` servers (0: in process)")
     args = parser.parse_args()
     pin_threads(1)
+    env_kwargs = {"size": 3, "max_turns": args.turns}
+    servers = start_env_servers(args.service, "frozenlake", env_kwargs)
+    try:
+        figures = run(args, env_kwargs, [url for url, _ in servers])
+    finally:
+        stop_env_servers(servers)
+    print(json.dumps(figures))
+
+
+def run(args: argparse.Namespace, env_kwargs: dict, urls: list[str]) -> dict:
+    """Every mode's rate, in process or (`urls`) through the env servers."""
+    env_id = f"[{', '.join(urls)}]" if urls else "frozenlake"
     config = load_config(None, [
-        "pipeline=agentic", "env.id=frozenlake", f"env.kwargs={{size: 3, max_turns: {args.turns}}}",
+        "pipeline=agentic", f"env.id={env_id}", f"env.kwargs={json.dumps(env_kwargs)}",
         f"env.max_turns={args.turns}", f"env.simulated_latency={{median_s: {args.median_s}, sigma: {args.sigma}}}",
         f"rollout.groups_per_step={args.groups}", f"rollout.group_size={args.group_size}",
         "rollout.max_new_tokens=4", f"roles.env.num_workers={args.env_workers}"])
@@ -88,11 +110,56 @@ def main() -> None:
     median = {mode: values[0] for mode, values in rates.items()}
     figures = {"episodes_per_step": args.groups * args.group_size,
                "turns_per_episode": round(statistics.mean(turns["async"]), 2),
-               "env_latency": f"lognormal(median {args.median_s} s, sigma {args.sigma})"}
+               "env_latency": f"lognormal(median {args.median_s} s, sigma {args.sigma})",
+               "env_servers": len(urls)}
     figures.update({f"{mode}_trajectories_per_s": round(rate, 2) for mode, rate in median.items()})
     figures.update({f"{mode}_over_lockstep": round(rate / median["lockstep"], 2)
                     for mode, rate in median.items() if mode != "lockstep"})
-    print(json.dumps(figures))
+    return figures
+
+
+def start_env_servers(count: int, env_id: str, env_kwargs: dict) -> list[tuple[str, subprocess.Popen]]:
+    """`count` `rollflow env serve` subprocesses on free local ports, each answering /health (30 s at most)."""
+    servers: list[tuple[str, subprocess.Popen]] = []
+    try:
+        for _ in range(count):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", env_id, "--port",
+                                        str(port), "--env-kwargs", json.dumps(env_kwargs), "--max-sessions", "4096"],
+                                       stdout=subprocess.DEVNULL)
+            servers.append((f"http://127.0.0.1:{port}/{env_id}", process))
+        for url, process in servers:
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"env server {url} exited with status {process.returncode}")
+                try:
+                    if httpx.get(url.rsplit("/", 1)[0] + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"env server {url} did not answer /health within 30 s")
+                time.sleep(0.1)
+    except BaseException:
+        stop_env_servers(servers)
+        raise
+    return servers
+
+
+def stop_env_servers(servers: list[tuple[str, subprocess.Popen]]) -> None:
+    """SIGTERM each server, then kill any still running after 10 s."""
+    for _, process in servers:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for _, process in servers:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 if __name__ == "__main__":

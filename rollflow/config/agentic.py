@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.algorithms import (
     AGENTIC_ADVANTAGES,
@@ -35,11 +35,15 @@ class SimulatedLatencyConfig(Strict):
 
 
 class EnvConfig(Strict):
-    id: str = Field(
+    id: str | list[str] = Field(
         default="frozenlake",
-        description="The environment: a built-in (`frozenlake`, `sokoban`, `countdown`, `guess_number`), "
+        description="The environment: a built-in (`frozenlake`, `sokoban`, `countdown`, `guess_number`; "
+                    "`prompts`, a prompt dataset's rows as one-turn episodes; `tool_use`, tools around any env: "
+                    "[tools.md](tools.md)), "
                     "`gem:<id>` (any env of the `gem-llm` package), `gym:<id>` (a gymnasium env with text "
-                    "observations) or a dotted path `pkg.module:factory`. See [agentic.md](agentic.md).")
+                    "observations), a dotted path `pkg.module:factory`, or `http://host:port/ENV` (an env served "
+                    "by `rollflow env serve`; a list of such URLs spreads episodes over several servers, least "
+                    "loaded first). See [agentic.md](agentic.md) and [env_service.md](env_service.md).")
     kwargs: dict[str, Any] = Field(default={}, description="Keyword arguments of the env's constructor.")
     eval_kwargs: dict[str, Any] | None = Field(
         default=None, description="Constructor arguments of the eval envs; `null`: `kwargs`.")
@@ -59,6 +63,19 @@ class EnvConfig(Strict):
         default=None, description="Test hook: training env steps that raise or hang on purpose; `null`: off.")
     simulated_latency: SimulatedLatencyConfig | None = Field(
         default=None, description="Benchmark hook: a log-normal delay before every env step; `null`: off.")
+
+    @field_validator("id")
+    @classmethod
+    def _id_form(cls, value: str | list[str]) -> str | list[str]:
+        """A list holds only env server URLs, all of one env; a URL has a host and names the env (no network)."""
+        from rollflow.envs.make import env_urls
+        from rollflow.errors import RollflowError
+
+        try:
+            urls = env_urls(value)
+        except RollflowError as err:
+            raise ValueError(str(err)) from None
+        return value if urls is None or isinstance(value, str) else urls
 
 
 class AgenticRolloutConfig(SamplingFields, GroupFlowFields):

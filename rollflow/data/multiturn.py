@@ -10,6 +10,12 @@ placeholder contents and cutting it where the contents sit:
 `end of turn` is what the template writes after an assistant message (`<eos>`, `<|im_end|>\\n`). The engine
 stops on the end-of-turn token, so a turn the model ended itself already holds that token and only what
 follows it (a newline, say) is added; a turn cut by the length limit gets the whole end of turn.
+
+Tool use: with `tools` (JSON-schema function specs), every rendering passes `tools=` to the template, so the
+first prompt holds the template's own tool block (Qwen: the `# Tools` system message with the schemas). A turn
+answered by tool results renders them as `tool` role messages (`tool_turn`), cut from the template the same
+way: `[user, assistant, tool, ..., tool]` with placeholder contents, the text between the reply and the end
+(Qwen: `<|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>\n<|im_start|>assistant\n`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from rollflow.errors import ConfigError
 
 _USER, _REPLY = "\x01USER\x01", "\x01REPLY\x01"  # placeholders no real content contains
+_TOOL = "\x01TOOL{}\x01"  # the k-th tool result's placeholder
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,16 @@ class TemplatePieces:
     end_of_turn: str  # what follows an assistant message
 
 
-def template_pieces(tokenizer, system_prompt: str | None = None) -> TemplatePieces:
+def template_pieces(tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None) -> TemplatePieces:
     """Cut the tokenizer's chat template into the pieces a multi-turn episode is rendered with.
 
     A tokenizer without a chat template renders `OBS\\n` as a user turn and ends the model's turn with its EOS
     token and a newline.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        system_prompt: a system message before the first observation, or None.
+        tools: the tools' JSON-schema specs, passed to the template as `tools=` (None: no tools).
 
     Raises:
         ConfigError: the template does not render a user / assistant / user conversation in order.
@@ -43,11 +55,7 @@ def template_pieces(tokenizer, system_prompt: str | None = None) -> TemplatePiec
     if getattr(tokenizer, "chat_template", None) is None:
         eos = tokenizer.eos_token or ""
         return TemplatePieces(f"{system_prompt}\n" if system_prompt else "", "", "\n", f"{eos}\n")
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-
-    def render(messages: list[dict], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(system + messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+    render = _renderer(tokenizer, system_prompt, tools)
 
     one = render([{"role": "user", "content": _USER}], True)
     two = render([{"role": "user", "content": _USER}, {"role": "assistant", "content": _REPLY},
@@ -66,18 +74,72 @@ def template_pieces(tokenizer, system_prompt: str | None = None) -> TemplatePiec
     return TemplatePieces(first_prefix, between[len(end_of_turn):], user_suffix, end_of_turn)
 
 
+def tool_turn_pieces(tokenizer, count: int, system_prompt: str | None = None,
+                     tools: list[dict] | None = None) -> list[str]:
+    """The texts a chat template puts around `count` tool results that answer a model turn.
+
+    Returns:
+        `count + 1` texts: before the first result (after the reply's end of turn), between results, and after
+        the last (the generation prompt included); a tokenizer without a chat template: each result on a
+        line of its own, as a user turn.
+
+    Raises:
+        ConfigError: the template cannot render `tool` messages after an assistant turn, in order.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ["", *(["\n"] * count)]
+    render = _renderer(tokenizer, system_prompt, tools)
+    results = [{"role": "tool", "content": _TOOL.format(k)} for k in range(count)]
+    try:
+        text = render([{"role": "user", "content": _USER}, {"role": "assistant", "content": _REPLY}, *results],
+                      True)
+    except Exception as err:  # noqa: BLE001  (jinja, or the template's own raise_exception)
+        raise ConfigError(f"the tokenizer's chat template cannot render tool turns ({_first_line(err)}); tool "
+                          "use needs a template with a tool role") from None
+    after_reply = text.split(_REPLY, 1)[1] if text.count(_REPLY) == 1 else ""
+    end_of_turn = template_pieces(tokenizer, system_prompt, tools).end_of_turn
+    pieces, rest = [], after_reply[len(end_of_turn):] if after_reply.startswith(end_of_turn) else ""
+    for k in range(count):
+        if rest.count(_TOOL.format(k)) != 1:
+            raise ConfigError("the tokenizer's chat template does not render tool results after the model's turn, "
+                              "in order; tool use needs one that does")
+        piece, rest = rest.split(_TOOL.format(k))
+        pieces.append(piece)
+    return [*pieces, rest]
+
+
+def _renderer(tokenizer, system_prompt: str | None, tools: list[dict] | None):
+    """`render(messages, generation_prompt) -> text` with the system message and tools of an episode."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    extra = {"tools": tools} if tools else {}
+
+    def render(messages: list[dict], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(system + messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **extra)
+
+    return render
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 class TurnEncoder:
     """Renders episodes turn by turn, as token ids.
 
     Args:
         tokenizer: the policy's tokenizer.
         system_prompt: a system message before the first observation, or None.
+        tools: the env's tools (JSON-schema specs) for the template's tool block, or None.
     """
 
-    def __init__(self, tokenizer, system_prompt: str | None = None):
+    def __init__(self, tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
-        self.pieces = template_pieces(tokenizer, system_prompt)
+        self.system_prompt, self.tools = system_prompt, tools or None
+        self.pieces = template_pieces(tokenizer, system_prompt, self.tools)
         self.end_of_turn_ids = self.encode(self.pieces.end_of_turn)
+        self._tool_pieces: dict[int, list[str]] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -93,17 +155,48 @@ class TurnEncoder:
     def observation_turn(self, observation: str, model_ids: list[int]) -> list[int]:
         """The tokens after the model's turn `model_ids`: the rest of its end of turn, the observation as a
         user turn and the generation prompt (none of it trained on)."""
+        return self._closing(model_ids) + self.encode(self.pieces.user_prefix + observation + self.pieces.user_suffix)
+
+    def tool_turn(self, results: list[str], model_ids: list[int]) -> list[int]:
+        """The tokens after the model's turn `model_ids` when tools answer it: the rest of its end of turn, each
+        result as a `tool` message (as the template renders consecutive ones) and the generation prompt."""
+        return self._closing(model_ids) + self.encode(self._tool_text(results))
+
+    def next_turn(self, observation: str, tool_results: list[str] | None, model_ids: list[int]) -> list[int]:
+        """`tool_turn` when the env answered with tool results (`info["tool_results"]`), else `observation_turn`."""
+        if tool_results is not None:
+            return self.tool_turn(tool_results, model_ids)
+        return self.observation_turn(observation, model_ids)
+
+    def _closing(self, model_ids: list[int]) -> list[int]:
         closing = self.end_of_turn_ids
         if closing and model_ids and model_ids[-1] == closing[0]:
             closing = closing[1:]  # the model ended its turn itself: its stop token is the first one
-        return closing + self.encode(self.pieces.user_prefix + observation + self.pieces.user_suffix)
+        return closing
 
-    def step_prompt(self, history: list[tuple[str, str]], observation: str) -> list[int]:
-        """A step-wise sample's prompt: the earlier (observation, reply) turns kept, then `observation`."""
+    def _tool_text(self, results: list[str]) -> str:
+        count = len(results)
+        if count not in self._tool_pieces:
+            self._tool_pieces[count] = tool_turn_pieces(self.tokenizer, count, self.system_prompt, self.tools)
+        pieces = self._tool_pieces[count]
+        return "".join(piece + result for piece, result in zip(pieces, results)) + pieces[-1]
+
+    def step_prompt(self, history: list[tuple[str | list[str], str]], observation: str | list[str]) -> list[int]:
+        """A step-wise sample's prompt: the earlier (observation, reply) turns kept, then `observation`.
+
+        An observation is text (a user turn) or a list of tool results (tool turns after the reply before it);
+        tool results with no reply before them in the prompt (the kept history starts there) are a user turn
+        of their lines.
+        """
         pieces = self.pieces
         text = pieces.first_prefix
         for index, (seen, reply) in enumerate(history):
-            text += ("" if index == 0 else pieces.user_prefix) + seen + pieces.user_suffix + reply
-            text += pieces.end_of_turn
-        text += (pieces.user_prefix if history else "") + observation + pieces.user_suffix
-        return self.encode(text)
+            text += self._observation_text(seen, index == 0) + reply + pieces.end_of_turn
+        return self.encode(text + self._observation_text(observation, not history))
+
+    def _observation_text(self, seen: str | list[str], first: bool) -> str:
+        if isinstance(seen, list):
+            if not first:
+                return self._tool_text(seen)
+            seen = "\n".join(seen)
+        return ("" if first else self.pieces.user_prefix) + seen + self.pieces.user_suffix

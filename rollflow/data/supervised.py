@@ -56,8 +56,10 @@ class ConversationEncoder:
     """Rows of full conversations as training `Sample`s: the prompt part is what an engine would be handed,
     the response part every later token, `loss_mask` 1 exactly on the assistant's tokens.
 
-    A row is either a chat (`messages_key`: a list of `{role, content}` turns, system / user / assistant, in
-    any number) or a prompt and a response (`prompt_key`, `response_key`). With a chat template, each turn is
+    A row is either a chat (`messages_key`: a list of `{role, content}` turns, system / user / assistant /
+    tool, in any number; an assistant turn may carry structured `tool_calls`) or a prompt and a response
+    (`prompt_key`, `response_key`). A row's `tools` column (JSON-schema tool specs) goes to the chat template as
+    `tools=`, as the agentic rollout renders a tool-use env's first prompt. With a chat template, each turn is
     rendered and tokenized once per prefix of the conversation: the tokens a turn adds are the difference
     between the conversation up to it and up to the turn before, so the assistant's tokens are its content and
     the end-of-turn tokens the template appends after it, never the header (`<|assistant|>`) the generation
@@ -92,7 +94,7 @@ class ConversationEncoder:
             DataError: a missing / malformed column, a template that does not extend its own prefixes, no
                 assistant token to train on, or more than `max_tokens` tokens.
         """
-        ids, mask = self._tokens(self.conversation(row, response))
+        ids, mask = self._tokens(self.conversation(row, response), _tools(row))
         if len(ids) > self.max_tokens:
             raise DataError(f"the conversation has {len(ids)} tokens, over data.max_tokens={self.max_tokens}")
         first = mask.index(1) if 1 in mask else len(mask)
@@ -126,7 +128,7 @@ class ConversationEncoder:
         if not any(contents):
             return True
         blanked = [{**message, "content": ""} if i in answers else message for i, message in enumerate(messages)]
-        return _trained(*self._tokens(messages)) == _trained(*self._tokens(blanked))
+        return _trained(*self._tokens(messages, _tools(row))) == _trained(*self._tokens(blanked, _tools(row)))
 
     def conversation(self, row: dict[str, Any], response: Any = None) -> list[dict[str, str]]:
         """The row's turns as `{role, content}`: its chat, or its prompt (a string or turns) then the response.
@@ -156,7 +158,7 @@ class ConversationEncoder:
         raise DataError(f"the prompt (column {self.prompt_key!r}) must be a string or chat turns, not "
                         f"{type(prompt).__name__}")
 
-    def _tokens(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def _tokens(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         """Token ids of the whole conversation and a 0/1 mask, 1 on the assistant's tokens."""
         tokenizer = self.tokenizer
         if not self.use_template:
@@ -170,17 +172,18 @@ class ConversationEncoder:
         mask: list[int] = []
         for index, message in enumerate(messages):
             if message["role"] == "assistant":  # its header belongs to the prompt, as at generation time
-                ids, mask = self._extend(ids, mask, messages[:index], 0, generation_prompt=True)
-            ids, mask = self._extend(ids, mask, messages[: index + 1], int(message["role"] == "assistant"))
+                ids, mask = self._extend(ids, mask, messages[:index], 0, True, tools)
+            ids, mask = self._extend(ids, mask, messages[: index + 1], int(message["role"] == "assistant"), False,
+                                     tools)
         return ids, mask
 
     def _extend(self, ids: list[int], mask: list[int], messages: list[dict[str, str]], value: int,
-                generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+                generation_prompt: bool = False, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         if not messages:
             return ids, mask
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **({"tools": tools} if tools else {}))
         except Exception as err:  # jinja or the template's own raise_exception
             raise DataError(f"the chat template cannot render the row ({_first_line(err)})") from None
         longer = self.tokenizer.encode(text, add_special_tokens=False)
@@ -195,11 +198,27 @@ def _messages(value: Any, column: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise DataError(f"column {column!r} must be a non-empty list of {{role, content}} turns")
     for turn in value:
-        if not (isinstance(turn, dict) and turn.get("role") in ("system", "user", "assistant")
+        if not (isinstance(turn, dict) and turn.get("role") in ("system", "user", "assistant", "tool")
                 and isinstance(turn.get("content"), str)):
-            raise DataError(f"column {column!r}: each turn is {{role: system | user | assistant, content: "
+            raise DataError(f"column {column!r}: each turn is {{role: system | user | assistant | tool, content: "
                             f"string}}, got {turn!r:.80}")
-    return [{"role": turn["role"], "content": turn["content"]} for turn in value]
+        if "tool_calls" in turn and not (turn["role"] == "assistant" and isinstance(turn["tool_calls"], list)):
+            raise DataError(f"column {column!r}: tool_calls must be a list on an assistant turn, got {turn!r:.80}")
+    return [{key: turn[key] for key in ("role", "content", "tool_calls") if key in turn} for turn in value]
+
+
+def _tools(row: dict[str, Any]) -> list[dict] | None:
+    """The row's `tools` column (JSON-schema tool specs), or None.
+
+    Raises:
+        DataError: the column is not a list of objects.
+    """
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise DataError(f"column 'tools' must be a list of JSON-schema tool specs (objects), got {tools!r:.80}")
+    return tools or None
 
 
 def _trained(ids: list[int], mask: list[int]) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollflow.envs.base import Env
 from rollflow.envs.make import make_env
+from rollflow.envs.serve_cli import add_serve_parser
 from rollflow.errors import ConfigError, RollflowError
 
 Policy = Callable[[str], str]
@@ -116,7 +117,7 @@ def run_episode(
 
 
 def add_play_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `env play` to the `rollflow` command line.
+    """Add `env play` (and `env serve`, `rollflow.envs.serve_cli`) to the `rollflow` command line.
 
     Args:
         subparsers: the result of `parser.add_subparsers(...)`.
@@ -124,7 +125,8 @@ def add_play_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         The `env` parser.
     """
-    env = subparsers.add_parser("env", help="environments: play one in the terminal or with a scripted policy")
+    env = subparsers.add_parser("env", help="environments: play one in the terminal or with a scripted policy, "
+                                            "or serve one over HTTP")
     commands = env.add_subparsers(dest="env_command", required=True)
     play = commands.add_parser("play", help="play an env (human from stdin, or a random / expert policy)")
     play.add_argument("env_id", help="frozenlake, sokoban, guess_number, countdown, gem:<id>, gym:<id>, pkg.mod:fn")
@@ -134,6 +136,7 @@ def add_play_parser(subparsers: Any) -> argparse.ArgumentParser:
     play.add_argument("--env-kwargs", default="{}", help='env keyword arguments as JSON, e.g. \'{"size": 5}\'')
     play.add_argument("--max-steps", type=int, default=100, help="stop after this many steps (default 100)")
     play.set_defaults(handler=play_main)
+    add_serve_parser(commands)  # `rollflow env serve ENV_ID`
     return env
 
 

@@ -114,14 +114,16 @@ class AgenticStep:
         return []
 
     def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
-        """The rollout core over env groups, then one env made and reset (`check_envs`) before anything is
-        played."""
+        """One env made and reset (`check_envs`) before anything is played, its tools (if any) rendered into the
+        first prompt; then the rollout core over env groups."""
         self.groups, self.colocation = groups, colocation
+        tools = check_envs(groups["env"], self.config)
+        if tools:  # the env's tools go into the first prompt, by the chat template
+            self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, tools)
         self.core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
                                 self.settings, self.sampling)
         self.eval_program = self.core.program.for_eval(self.greedy)
         self.advantages = EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
-        check_envs(groups["env"], self.config)
 
     def load(self, checkpoint: Path, state: dict) -> str:
         self.groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
@@ -154,7 +156,7 @@ class AgenticStep:
             played = {s.metadata["episode"] for s in result.samples if s.status == SampleStatus.FILTERED}
             raise no_episodes_error(f"step {step}", failed, len(played), self.config.rollout.group_size)
         warn(self.errors.lines(f"step {step}", failed))
-        return Played(samples, failed_logged), {**result.metrics, **episode_metrics(samples, "rollout")}
+        return Played(samples, failed_logged), {**result.metrics, **episode_metrics(samples, "rollout", failed)}
 
     def train(self, step: int, work: Played) -> dict[str, float]:
         """The samples' advantages, the actor update and the weight sync."""
@@ -267,15 +269,20 @@ def evaluate(core: RolloutCore, program: EnvGroups, colocation: ColocationManage
     return {**episode_metrics(samples, "eval"), "eval/episodes_failed": float(len(failed))}
 
 
-def check_envs(env_workers, config: AgenticConfig) -> None:
+def check_envs(env_workers, config: AgenticConfig) -> list[dict]:
     """Make and reset one env with `env.kwargs` (and one with `env.eval_kwargs`) on env worker 0 before anything
     is played: an env that cannot be made (a constructor that refuses its kwargs) or reset stops the run here
     with one line, instead of failing every episode.
 
+    Returns:
+        The env's tools (JSON-schema specs, from its `tools()`; [] for an env without tools).
+
     Raises:
-        ConfigError: the env could not be made or reset (its traceback, when it raised, in `details`).
+        ConfigError: the env could not be made or reset (its traceback, when it raised, in `details`), or the
+            eval envs have other tools than the training envs (the prompts would differ).
     """
     env = config.env
+    tools: list[list[dict]] = []
     for setting, kwargs, eval_mode in (("env.kwargs", env.kwargs, False), ("env.eval_kwargs", env.eval_kwargs, True)):
         if kwargs is None:
             continue
@@ -285,6 +292,12 @@ def check_envs(env_workers, config: AgenticConfig) -> None:
                                 f"before the first step: {reply['error']}")
             error.details, error.details_label = reply.get("traceback", ""), "env traceback"
             raise error
+        tools.append(reply.get("tools", []))
+    if len(tools) == 2 and tools[0] != tools[1]:
+        names = [[tool.get("function", tool).get("name") for tool in listed] for listed in tools]
+        raise ConfigError(f"env.eval_kwargs gives the eval envs other tools ({names[1]}) than env.kwargs gives the "
+                          f"training envs ({names[0]}); the model would be evaluated on other prompts")
+    return tools[0] if tools else []
 
 
 def warn(lines: list[str]) -> None:

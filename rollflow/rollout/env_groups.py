@@ -143,14 +143,16 @@ class EnvGroups:
                 return
             observation, info = reply["observation"], reply["info"]
             episode.env_seconds += reply["seconds"]
+            episode.count(info)
             episode.prompt_ids = encoder.first_prompt(observation)
-            history: list[tuple[str, str]] = []
+            seen: str | list[str] = observation  # what the model answers next: an observation or tool results
+            history: list[tuple[str | list[str], str]] = []
             for number in range(settings.max_turns):
                 if settings.samples == "trajectory":
                     prompt = episode.prompt_ids + episode.response_ids
                 else:
                     prompt = encoder.step_prompt(history[len(history) - settings.history_turns:]
-                                                 if settings.history_turns else [], observation)
+                                                 if settings.history_turns else [], seen)
                 if len(prompt) + sampling.max_new_tokens > settings.max_context_tokens:
                     if not episode.turns:
                         episode.fail(f"the first prompt has {len(prompt)} tokens: with rollout.max_new_tokens = "
@@ -182,14 +184,18 @@ class EnvGroups:
                 turn.reward, info = reply["reward"], reply["info"]
                 turn.invalid = bool(info.get("invalid_action", False))
                 episode.info = info
+                episode.count(info)
                 if reply["terminated"] or reply["truncated"]:
                     episode.status = SampleStatus.TRUNCATED if reply["truncated"] and not reply["terminated"] \
                         else SampleStatus.FINISHED
                     break
-                history.append((observation, text))
+                history.append((seen, text))
                 observation = reply["observation"]
+                tool_results = info.get("tool_results")
+                seen = tool_results if isinstance(tool_results, list) else observation
                 if settings.samples == "trajectory" and number + 1 < settings.max_turns:  # a next turn follows
-                    episode.add_observation(encoder.observation_turn(observation, output.token_ids))
+                    episode.add_observation(encoder.next_turn(observation, tool_results if isinstance(
+                        tool_results, list) else None, output.token_ids))
             else:
                 episode.status = SampleStatus.TRUNCATED  # the turn limit
         except asyncio.CancelledError:

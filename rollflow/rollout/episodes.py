@@ -17,6 +17,10 @@ import torch
 from rollflow.data.sample import Sample, SampleStatus
 from rollflow.errors import StepFailedError
 
+# Counters an env may put in a reply's info, summed per episode: a tool-use env's `tool_calls`, `tool_errors` and
+# `tool_seconds`; a remote env's `env_retries` (calls a server failed and a fresh session redid).
+COUNTED_INFO = ("tool_calls", "tool_errors", "tool_seconds", "env_retries")
+
 
 @dataclass
 class Turn:
@@ -64,6 +68,14 @@ class Episode:
     error: str = ""
     error_details: str = ""
     env_seconds: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)  # COUNTED_INFO keys summed over the env's replies
+
+    def count(self, info: dict[str, Any]) -> None:
+        """Add an env reply's counters (`COUNTED_INFO`: tool calls, tool errors, time in tools, env retries)."""
+        for key in COUNTED_INFO:
+            value = info.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.counters[key] = self.counters.get(key, 0.0) + float(value)
 
     def add_turn(self, turn: Turn) -> None:
         start = len(self.response_ids)
@@ -120,7 +132,8 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
                 "turns": len(episode.turns), "anchors": [turn.anchor for turn in episode.turns],
                 "invalid_actions": sum(turn.invalid for turn in episode.turns), "env_seconds": episode.env_seconds,
                 "prefix_reused_tokens": sum(turn.prefix_reused_tokens for turn in episode.turns),
-                "turn_prompt_tokens": sum(len(turn.prompt_ids) for turn in episode.turns)}
+                "turn_prompt_tokens": sum(len(turn.prompt_ids) for turn in episode.turns),
+                "counters": dict(episode.counters)}
         if mode == "trajectory":
             samples.append(Sample(
                 prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
@@ -170,14 +183,16 @@ def failed_samples(episodes: list[Episode], group_id: int = -1) -> list[Sample]:
                    response_text=" | ".join(turn.text for turn in episode.turns), group_id=group_id,
                    reward=episode.episode_return, status=SampleStatus.FAILED,
                    metadata={"episode": (group_id, episode.slot), "seed": episode.seed, "turns": len(episode.turns),
-                             "success": False, "error": episode.error, "error_details": episode.error_details})
+                             "success": False, "error": episode.error, "error_details": episode.error_details,
+                             "counters": dict(episode.counters)})
             for episode in episodes]
 
 
-def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+def episode_metrics(samples: list[Sample], prefix: str, failed: list[Sample] | None = None) -> dict[str, float]:
     """Success rate (failed episodes count as failures), and the mean return, turns, invalid actions and env
     time of the episodes that did not fail (`rollout/` or `eval/`), from their samples (one episode's samples
-    count once)."""
+    count once); tool and env-retry counters when the env reports them (`counter_metrics`). `failed`: failed
+    episodes left out of `samples`, whose env retries still count."""
     episodes = list({sample.metadata["episode"]: sample for sample in samples}.values())
     if not episodes:
         return {}
@@ -194,7 +209,27 @@ def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
         f"{prefix}/prefix_reused_frac": (sum(e.metadata["prefix_reused_tokens"] for e in played)
                                          / max(sum(e.metadata["turn_prompt_tokens"] for e in played), 1)),
     }
+    metrics.update(counter_metrics(episodes + list(failed or []), played, prefix))
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def counter_metrics(episodes: list[Sample], played: list[Sample], prefix: str) -> dict[str, float]:
+    """Tool-use and remote-env metrics, when the env reports their counters: tool calls per played episode,
+    the share of calls that failed (malformed ones included), seconds per call; env retries, summed over every
+    episode (failed ones too: a retry is what a dying server costs)."""
+    def total(key: str, among: list[Sample]) -> float:
+        return sum(e.metadata.get("counters", {}).get(key, 0.0) for e in among)
+
+    reported = {key for e in episodes for key in e.metadata.get("counters", {})}
+    metrics = {}
+    if "tool_calls" in reported:
+        calls = total("tool_calls", played)
+        metrics[f"{prefix}/tool_calls_per_episode"] = calls / max(len(played), 1)
+        metrics[f"{prefix}/tool_error_frac"] = total("tool_errors", played) / max(calls, 1)
+        metrics[f"{prefix}/tool_seconds_per_call"] = total("tool_seconds", played) / max(calls, 1)
+    if "env_retries" in reported:
+        metrics[f"{prefix}/env_retries"] = total("env_retries", episodes)
+    return metrics
 
 
 def no_episodes_error(where: str, failed: list[Sample], finished: int, group_size: int) -> StepFailedError:

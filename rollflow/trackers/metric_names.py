@@ -65,6 +65,14 @@ _EPISODE_STATS = (
     ("env_seconds_per_turn", SECONDS, "Env time (reset and steps) per model turn of {what}."),
     ("prefix_reused_frac", FRACTION, "Share of the prompt tokens of the model turns of {what} that the engine's "
                                      "prefix cache already held (vllm; hf with `prefix_cache_tokens`)."),
+    ("tool_calls_per_episode", COUNT, "Tool calls per episode of {what}, failed ones left out (tool-use envs: "
+                                      "`tool_use`, countdown)."),
+    ("tool_error_frac", FRACTION, "Fraction of the tool calls of {what} that failed: malformed (unreadable, an "
+                                  "unknown tool, arguments the schema refuses, past `max_calls`) or an error of "
+                                  "the tool (a time-out, a program that raised)."),
+    ("tool_seconds_per_call", SECONDS, "Time a tool call of {what} took, in the env (tool-use envs)."),
+    ("env_retries", COUNT, "Env calls of {what} that a server failed (killed, too slow, garbage) and a fresh "
+                           "session on a server redid (`env.id: http://...`), failed episodes included."),
 )
 
 

@@ -186,11 +186,23 @@ class EnvWorker(PlacedWorker):
         or reset stops the run with one line instead of failing every episode.
 
         Returns:
-            {} when the env was made and reset, else `reset`'s error record.
+            {"tools": the env's tool specs (its `tools()`, JSON-schema dicts; [] when it has none)} when the env
+            was made and reset, else `reset`'s error record.
         """
         reply = await self.reset("check", 0, eval_mode)
+        if "error" in reply:
+            self.close_slot("check")
+            return {key: value for key, value in reply.items() if key in ("error", "traceback")}
+        env, thread = self.slots["check"]
+        tools_of = getattr(env, "tools", None)
+        outcome = await self._run("check", thread, tools_of if callable(tools_of) else list, "tools()")
         self.close_slot("check")
-        return {key: value for key, value in reply.items() if key in ("error", "traceback")}
+        if "error" in outcome:
+            return outcome
+        tools = outcome["value"]
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+            return {"error": f"env tools() returned {_short(tools)}, not a list of JSON-schema dicts"}
+        return {"tools": tools}
 
     def close_slot(self, slot: str) -> None:
         """Drop the env of `slot` (its `close()` runs on its thread, not awaited)."""
@@ -281,14 +293,17 @@ def _observation(observation: Any, what: str) -> str:
 
 
 def _plain(info: Any) -> dict[str, Any]:
-    """An env's info dict with what pickles cheaply (numbers, strings, bools, small lists); the rest as str."""
+    """An env's info dict with what pickles cheaply (numbers, strings, bools, lists of strings); the rest as str."""
     if not isinstance(info, dict):
         return {}
     out = {}
     for key, value in info.items():
         if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
             value = value.item()  # a numpy / torch scalar: its Python value (str() of np.False_ would be truthy)
-        out[str(key)] = value if isinstance(value, (int, float, str, bool, type(None))) else _short(value)
+        if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            out[str(key)] = list(value)  # texts, such as a tool-use env's `tool_results`
+        else:
+            out[str(key)] = value if isinstance(value, (int, float, str, bool, type(None))) else _short(value)
     return out
 
 

@@ -120,12 +120,31 @@ def test_chat_template_renders_system_user_and_assistant_turns(tokenizer):
 
 
 @pytest.mark.parametrize("messages", [
-    [{"role": "tool", "content": "x"}],
+    [{"role": "function", "content": "x"}],
     [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}],
 ])
 def test_chat_template_rejects_other_roles_and_a_system_message_after_the_first(tokenizer, messages):
-    with pytest.raises(Exception, match="supports a system message \\(first only\\), user and assistant"):
+    with pytest.raises(Exception, match="supports a system message \\(first only\\), user, assistant and tool"):
         tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def test_chat_template_renders_tools_in_one_system_line_and_tool_results_as_one_user_turn(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12*3"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*3"}}}]},
+                {"role": "tool", "content": "36"}, {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "36"}]
+    text = tokenizer.apply_chat_template(messages, tools=[CALCULATOR], tokenize=False)
+    assert text == ('<|system|>Be brief.\ntools: calculator(expression)\n<|user|>12*3<|assistant|><tool_call>\n'
+                    '{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call><eos>'
+                    '<|user|><tool_response>36</tool_response><tool_response>x</tool_response><|assistant|>36<eos>')
+    # without tools, nothing changes: the bundled model's prompts are those it was trained on
+    assert tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True) == \
+        "<|system|>Be brief.<|user|>12*3<|assistant|>"
 
 
 @pytest.mark.parametrize("user, answer", [("7 * 8", "56"), ("  spaced  ", " 5 "), ("two\nlines\n", "\n\tx\n")])

@@ -63,7 +63,7 @@ def test_chat_messages_are_a_prompt_when_a_template_renders_them(encoder):
 
 
 def test_a_template_that_refuses_a_message_is_a_data_error(encoder):
-    message = _encode_error(encoder, [{"prompt": [{"role": "tool", "content": "be brief"}]}])
+    message = _encode_error(encoder, [{"prompt": [{"role": "function", "content": "be brief"}]}])
     assert message.startswith(f"{SOURCE} row 1: the chat template cannot render the prompt")
 
 

@@ -167,8 +167,8 @@ def test_without_a_chat_template_a_row_is_prompt_then_response_then_eos(tokenize
     ({"prompt": 12, "response": "3"}, "must be a string or chat turns"),
     ({"messages": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "1+2"}]},
      "starts with an assistant turn"),
-    ({"messages": [{"role": "user", "content": "1+2"}, {"role": "tool", "content": "3"},
-                   {"role": "assistant", "content": "3"}]}, "role: system | user | assistant"),
+    ({"messages": [{"role": "user", "content": "1+2"}, {"role": "function", "content": "3"},
+                   {"role": "assistant", "content": "3"}]}, "role: system | user | assistant | tool"),
     ({"messages": [{"role": "user", "content": "1+2"}]}, "no assistant tokens to train on"),
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "user", "content": "1+2"}, {"role": "system", "content": "late"},
@@ -191,3 +191,37 @@ def test_a_conversation_over_max_tokens_is_a_data_error_not_truncated(tokenizer)
 def test_a_non_string_response_names_the_configured_column(tokenizer):
     with pytest.raises(DataError, match="column 'answer'"):
         ConversationEncoder(tokenizer, response_key="answer").encode({"prompt": "1+2", "answer": 3})
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call>'
+
+
+def test_a_tool_use_row_trains_on_the_calls_and_the_answer_not_on_the_tool_results(tokenizer):
+    row = {"tools": [CALCULATOR], "messages": [
+        {"role": "user", "content": "12*3"}, {"role": "assistant", "content": TOOL_CALL},
+        {"role": "tool", "content": "36"}, {"role": "assistant", "content": "36"}]}
+    sample = ConversationEncoder(tokenizer).encode(row)
+    # the prompt is what the agentic rollout gives a tool-use env's first turn: the template's tool line first
+    assert sample.prompt_text == "<|system|>tools: calculator(expression)\n<|user|>12*3<|assistant|>"
+    trained = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m])
+    assert trained == TOOL_CALL + "<eos>" + "36" + "<eos>"
+    untrained = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if not m])
+    assert untrained == "<|user|><tool_response>36</tool_response><|assistant|>"
+
+
+def test_structured_tool_calls_render_as_the_model_writes_them(tokenizer):
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*3"}}}
+    messages = [{"role": "user", "content": "12*3"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    sample = ConversationEncoder(tokenizer).encode({"tools": [CALCULATOR], "messages": messages})
+    assert tokenizer.decode(sample.response_ids) == TOOL_CALL + "<eos>"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"tools": "calculator", "messages": CHAT}, "column 'tools' must be a list of JSON-schema tool specs"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "tool_calls must be a list on an assistant"),
+])
+def test_malformed_tool_rows_are_one_data_error(tokenizer, row, message):
+    with pytest.raises(DataError, match=re.escape(message)):
+        ConversationEncoder(tokenizer).encode(row)

@@ -12,12 +12,13 @@ from rollflow.envs.make import check_env_id, make_env
 from rollflow.errors import ConfigError
 from rollflow.registry import UnknownNameError
 
-BUILTINS = ["countdown", "frozenlake", "guess_number", "sokoban"]
+BUILTINS = ["countdown", "frozenlake", "guess_number", "sokoban"]  # the games (each has a scripted expert)
+WRAPPERS = ["prompts", "tool_use"]  # a prompt dataset as an env, and tools around any env (tests/envs/test_tool_use.py)
 
 
 def test_builtins_are_registered():
     make_env("frozenlake")  # imports the built-ins
-    assert ENVS.names() == BUILTINS
+    assert ENVS.names() == sorted(BUILTINS + WRAPPERS)
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -51,7 +52,7 @@ def test_observations_are_compact():
 
 
 def test_unknown_builtin_lists_the_valid_names():
-    with pytest.raises(UnknownNameError, match="Did you mean 'frozenlake'.*countdown, frozenlake, guess_number, sokoban"):
+    with pytest.raises(UnknownNameError, match="Did you mean 'frozenlake'.*countdown, frozenlake, guess_number, prompts, sokoban, tool_use"):
         make_env("frozenlak")
     with pytest.raises(UnknownNameError):
         check_env_id("nope")

@@ -95,7 +95,7 @@ def test_a_constructor_that_refuses_its_kwargs_is_named_and_its_traceback_kept()
     assert reply["error"] == ("env constructor raised TypeError: make_broken() got an unexpected keyword "
                               "argument 'size'")
     assert "Traceback" in reply["traceback"] and "make_broken" in reply["traceback"]
-    assert asyncio.run(worker(mode="ok").check()) == {}
+    assert asyncio.run(worker(mode="ok").check()) == {"tools": []}  # an env without tools()
     assert asyncio.run(worker(mode="reset_none").check())["error"].startswith("env reset returned an observation")
 
 
@@ -112,3 +112,12 @@ def test_making_an_env_is_not_bound_by_the_step_limit_but_a_reset_is():
     assert reset["observation"] == "start" and step["reward"] == 1.0
     reset, _ = play(worker(step_timeout_s=0.3, mode="slow_reset"))
     assert reset == {"error": "env reset ran past env.step_timeout_s = 0.3 s"}
+
+
+def test_check_returns_the_env_s_tools_for_the_first_prompt(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    config = AgenticConfig.model_validate({"env": {"id": "tool_use", "kwargs": {
+        "tools": ["calculator"], "env_kwargs": {"path": str(rows), "reward": "exact_match"}}}})
+    tools = asyncio.run(EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), config).check())["tools"]
+    assert [tool["function"]["name"] for tool in tools] == ["calculator"]

@@ -1,0 +1,40 @@
+"""An env for tests/envs/test_service.py, served by dotted path (`tests.envs.slow_env:make`): FrozenLake whose
+steps can sleep, raise, or that lists tools."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rollflow.envs.frozenlake import FrozenLake
+
+TOOLS = [{"type": "function", "function": {"name": "look", "description": "Look around.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+class SlowEnv:
+    """FrozenLake, its every step first sleeping `step_sleep_s` (then raising ValueError when `raise_on_step`)."""
+
+    def __init__(self, step_sleep_s: float = 0.0, raise_on_step: bool = False, with_tools: bool = False,
+                 **frozenlake_kwargs: Any):
+        self.env = FrozenLake(**frozenlake_kwargs)
+        self.step_sleep_s, self.raise_on_step, self.with_tools = step_sleep_s, raise_on_step, with_tools
+
+    def reset(self, seed: int | None = None):
+        return self.env.reset(seed)
+
+    def step(self, action: str):
+        time.sleep(self.step_sleep_s)
+        if self.raise_on_step:
+            raise ValueError("the env broke on purpose\nsecond line")
+        return self.env.step(action)
+
+    def expert_action(self) -> str:
+        return self.env.expert_action()
+
+    def tools(self) -> list[dict[str, Any]]:
+        return TOOLS if self.with_tools else []
+
+
+def make(**kwargs: Any) -> SlowEnv:
+    return SlowEnv(**kwargs)
