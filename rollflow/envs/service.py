@@ -25,12 +25,9 @@ whose fault it is, and so what a client may do about it:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import math
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +40,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from rollflow.envs.make import make_env
+from rollflow.envs.threads import EnvThread
 
 SWEEP_EVERY_S = 5.0  # the longest wait between two sweeps for idle sessions
 
@@ -69,37 +67,10 @@ class Refusal(Exception):
         self.status, self.kind, self.message = status, kind, message
 
 
-class _EnvThread:
-    """One daemon thread that runs a session's env calls in order (a hung call strands only this thread, and
-    a daemon never holds up the server's exit)."""
-
-    def __init__(self, name: str):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.calls.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self.calls.put(None)
-
-    def _serve(self) -> None:
-        while (item := self.calls.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as err:  # noqa: BLE001  (every env error goes back to its request)
-                future.set_exception(err)
-
-
 class _Session:
     def __init__(self, session_id: str):
         self.id = session_id
-        self.thread = _EnvThread(f"env-session-{session_id[:8]}")
+        self.thread = EnvThread(f"env-session-{session_id[:8]}")
         self.env: Any = None
         self.last_used = time.monotonic()
         self.busy = 0  # calls in flight: a session mid-call is never idle

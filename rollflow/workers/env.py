@@ -10,12 +10,9 @@ fails that one trajectory and goes on. Replies are plain tuples and dicts (cheap
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 import numbers
-import queue
 import random
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +23,7 @@ from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.envs.base import Env
 from rollflow.envs.make import make_env
+from rollflow.envs.threads import EnvThread
 from rollflow.workers.base import PlacedWorker
 
 MAKE_TIMEOUT_S = 120.0  # the least time limit of making an env (its package's import may come first)
@@ -73,32 +71,6 @@ def injected_fault(raise_fraction: float, hang_fraction: float, hang_s: float,
     return hook
 
 
-class _SlotThread:
-    """One daemon thread that runs an env's calls in order (a hung call strands only this thread)."""
-
-    def __init__(self, name: str):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.calls.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self.calls.put(None)
-
-    def _serve(self) -> None:
-        while (item := self.calls.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as err:  # noqa: BLE001  (every env error goes back as a record)
-                future.set_exception(err)
-
-
 class EnvWorker(PlacedWorker):
     """Holds the run's envs in slots named by the driver (one slot per trajectory).
 
@@ -112,7 +84,7 @@ class EnvWorker(PlacedWorker):
         self.env_config = config.env
         self.seed = config.seed
         self.index = placement.index
-        self.slots: dict[str, tuple[Env, _SlotThread]] = {}
+        self.slots: dict[str, tuple[Env, EnvThread]] = {}
         self.stranded = 0  # slots whose thread hung past the limit (left behind)
         self.created = 0
 
@@ -127,7 +99,7 @@ class EnvWorker(PlacedWorker):
         self.close_slot(slot)
         config = self.env_config
         kwargs = config.eval_kwargs if eval_mode and config.eval_kwargs is not None else config.kwargs
-        thread = _SlotThread(f"env-{slot}")
+        thread = EnvThread(f"env-{slot}")
         self.created += 1
 
         def make():
@@ -223,7 +195,7 @@ class EnvWorker(PlacedWorker):
         """Open slots, envs made and threads left behind by hung steps."""
         return {"open": len(self.slots), "created": self.created, "stranded": self.stranded}
 
-    async def _run(self, slot: str, thread: _SlotThread, fn: Callable[[], Any], what: str,
+    async def _run(self, slot: str, thread: EnvThread, fn: Callable[[], Any], what: str,
                    limit: float | None = None) -> dict[str, Any]:
         """`fn` on the slot's thread within `limit` (default `env.step_timeout_s`): {"value", "seconds"}, or an
         error record naming `what` (the slot is gone then)."""
