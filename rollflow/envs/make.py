@@ -48,7 +48,7 @@ def make_env(env_id: str | list[str], **env_kwargs: Any) -> Env:
 
 
 @ENVS.register("tool_use")
-def make_tool_use_env(tools: list[str | dict[str, Any]], env: str | list[str] = "prompts",
+def make_tool_use_env(tools: list[str | dict[str, Any]] | None = None, env: str | list[str] = "prompts",
                       env_kwargs: dict[str, Any] | None = None, **options: Any) -> ToolUseEnv:
     """The tool-use env (`rollflow.envs.tool_use`) around the env `env` (any id `make_env` takes; default
     `prompts`: a prompt dataset's rows, scored by a reward function).

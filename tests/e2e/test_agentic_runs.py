@@ -1,6 +1,7 @@
 """The agentic pipeline end to end through Ray: StarPO on FrozenLake, GiGPO on Sokoban (and GiGPO on FrozenLake
 in examples/agentic_frozenlake.yaml), a GEM game through
-the adapter, the python-tool env with the sandbox (on a hybrid engine), env faults (raising and hanging steps), asynchronous
+the adapter, the python-tool env with the sandbox (on a hybrid engine), RLVR prompts with a calculator
+(`tool_use`), env faults (raising and hanging steps), asynchronous
 groups, and the CLI.
 
 The runs share one Ray session (`ray_session`) and run in-process (`manage_ray=False`); each costs a few
@@ -98,6 +99,20 @@ def test_countdown_with_the_python_tool_runs_in_the_sandbox_on_a_hybrid_engine(r
     assert [row["sync/version"] for row in rows[1:]] == [1, 2] and rows[1]["sync/fetch_seconds_max"] == 0
     placement = json.loads((tmp_path / "countdown" / "placement.json").read_text())
     assert [worker.get("in") for worker in placement["actor_infer"]] == ["actor_train"], placement
+
+
+def test_rlvr_prompts_with_a_calculator_show_the_tools_in_the_first_prompt(ray_session, tmp_path):
+    _, rows = _run(
+        tmp_path, "tools", "env.id=tool_use",
+        "env.kwargs={tools: [calculator], env: prompts, env_kwargs: {task: add2, reward: exact_match}}",
+        "env.max_turns=2", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+        "train.steps=1")
+    _finite(rows)
+    assert rows[1]["train/samples"] == 4 and "rollout/tool_calls_per_episode" in rows[1]
+    assert "eval/tool_error_frac" in rows[0]
+    # the driver asked the env for its tools and the chat template rendered them into every first prompt
+    logged = [json.loads(line) for line in (tmp_path / "tools" / "samples.jsonl").read_text().splitlines()]
+    assert logged and all(r["prompt"].startswith("<|system|>tools: calculator(expression)\n<|user|>") for r in logged)
 
 
 def test_a_gem_game_runs_through_the_adapter(ray_session, tmp_path):
