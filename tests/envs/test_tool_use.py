@@ -112,3 +112,19 @@ def test_the_prompt_env_alone_is_one_turn_rlvr(rows_path):
     assert env.reset(seed=1) == ("12*3", {"success": False, "anchor": "12*3"})
     _, reward, terminated, truncated, info = env.step(" 36 ")
     assert (reward, terminated, truncated, info["success"]) == (1.0, True, False, True)
+
+
+def test_an_mcp_server_s_tools_are_called_through_the_env(rows_path):
+    pytest.importorskip("mcp")
+    import sys
+    from pathlib import Path
+
+    server = str(Path(__file__).parents[1] / "tools" / "mcp_echo_server.py")
+    env = make_env("tool_use", tools=[{"name": "mcp", "command": [sys.executable, server], "tools": ["add", "fail"]}],
+                   env_kwargs={"path": rows_path, "reward": "exact_match"})
+    assert sorted(spec["function"]["name"] for spec in env.tools()) == ["add", "fail"]
+    env.reset(seed=0)
+    observation, _, _, _, info = env.step(_call("add", a=2, b=3) + _call("fail"))
+    assert info["tool_results"] == ["5", "error: Error executing tool fail: this tool always fails"]
+    assert info["tool_errors"] == 1 and info["invalid_action"] is False
+    assert env.step(_call("add", a="two", b=3))[4]["invalid_action"] is True  # the schema says integer
