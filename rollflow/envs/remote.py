@@ -4,7 +4,8 @@ or a list of such URLs.
 `RemoteEnv` is an env like any other to the env workers. Each episode is one session on one server, the least
 loaded one this process knows of. A call that fails for a reason that is not the env's (the server died,
 answered too slowly, answered 5xx or something that is not the expected JSON, or forgot the session) is
-retried on a fresh session: preferably on another server, it is reset with the episode's seed and kwargs, the
+retried on a fresh session: preferably on another server (a server that failed gets no new session for
+`FAILED_SERVER_REST_S` while another can serve), it is reset with the episode's seed and kwargs, the
 episode's actions so far are replayed (envs are deterministic per seed; a replay that sees another observation
 gives up), then the failed call runs again. At most `retries` times a call, then `RemoteEnvError`. The env's
 own exception (or an env breaking the protocol) is not retried: it fails the episode, as it would in process.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -26,6 +28,7 @@ import httpx
 from rollflow.errors import RollflowError
 
 CLOSE_TIMEOUT_S = 2.0  # a close is a courtesy: the server expires forgotten sessions by itself
+FAILED_SERVER_REST_S = 10.0  # a server that just failed gets no new session for this long, while others serve
 
 _lock = threading.Lock()
 _client: httpx.Client | None = None
@@ -33,6 +36,7 @@ _client_pid: int | None = None
 _held: dict[str, int] = {}  # url -> live sessions this process holds there
 _reported: dict[str, int] = {}  # url -> live sessions the server said it had (all its clients) at the last reset
 _turn = itertools.count()
+_resting: dict[str, float] = {}  # url -> monotonic time until which it gets no new session (it just failed)
 _tools: dict[str, list[dict[str, Any]]] = {}
 
 
@@ -56,9 +60,13 @@ def http_client() -> httpx.Client:
 
 def choose_url(urls: list[str], avoid: str | None = None) -> str:
     """The least loaded of `urls`: fewest sessions this process holds there, then fewest the server last
-    reported; ties rotate. `avoid` (a server that just failed) is skipped when there is another."""
+    reported; ties rotate. `avoid` (a server that just failed) is skipped when there is another, and so are
+    servers that failed in the last `FAILED_SERVER_REST_S` (a dead server holds no sessions: it would look
+    least loaded to every new episode)."""
+    now = time.monotonic()
     candidates = [url for url in urls if url != avoid] or list(urls)
     with _lock:
+        candidates = [url for url in candidates if _resting.get(url, 0.0) <= now] or candidates
         loads = {url: (_held.get(url, 0), _reported.get(url, 0)) for url in candidates}
         least = min(loads.values())
         ties = [url for url in candidates if loads[url] == least]
@@ -164,6 +172,8 @@ class RemoteEnv:
                 return call(), attempt
             except _Retryable as err:
                 avoid, failure = self.url, str(err)
+                with _lock:
+                    _resting[avoid] = time.monotonic() + FAILED_SERVER_REST_S
         self.close()
         tries = "retry" if self.retries == 1 else "retries"
         raise RemoteEnvError(f"env server {avoid}: {what} failed after {self.retries} {tries}: {failure}")

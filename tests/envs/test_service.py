@@ -269,6 +269,12 @@ def test_a_killed_server_is_replayed_on_the_other_and_the_episode_ends_as_in_pro
         assert [without_retries(result) for result in results] == expected[1:]
         assert [result[4]["env_retries"] for result in results] == [0, 0, 1] + [0] * (len(actions) - 3)
         env.close()
+        # the dead server holds no sessions, yet new episodes do not try it first: it rests after failing
+        others = [RemoteEnv(list(processes), timeout_s=5) for _ in range(3)]
+        assert [other.reset(11)[1]["env_retries"] for other in others] == [0, 0, 0]
+        assert all(other.url != killed for other in others)
+        for other in others:
+            other.close()
 
 
 def test_a_slow_server_is_retried_on_the_other():
