@@ -22,14 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-
-import httpx
 
 from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.cluster.runtime import pin_threads
@@ -37,6 +31,7 @@ from rollflow.config import load_config
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import SamplingParams
+from rollflow.envs.local_servers import start_env_servers, stop_env_servers
 from rollflow.models import load_tokenizer
 from rollflow.pipelines.agentic import env_rollout, episode_settings
 from rollflow.workers.roles import start_roles
@@ -57,11 +52,11 @@ def main() -> None:
     args = parser.parse_args()
     pin_threads(1)
     env_kwargs = {"size": 3, "max_turns": args.turns}
-    servers = start_env_servers(args.service, "frozenlake", env_kwargs)
+    servers = start_env_servers("frozenlake", args.service, env_kwargs, ["--max-sessions", "4096"])
     try:
         figures = run(args, env_kwargs, [url for url, _ in servers])
     finally:
-        stop_env_servers(servers)
+        stop_env_servers(process for _, process in servers)
     print(json.dumps(figures))
 
 
@@ -116,50 +111,6 @@ def run(args: argparse.Namespace, env_kwargs: dict, urls: list[str]) -> dict:
     figures.update({f"{mode}_over_lockstep": round(rate / median["lockstep"], 2)
                     for mode, rate in median.items() if mode != "lockstep"})
     return figures
-
-
-def start_env_servers(count: int, env_id: str, env_kwargs: dict) -> list[tuple[str, subprocess.Popen]]:
-    """`count` `rollflow env serve` subprocesses on free local ports, each answering /health (30 s at most)."""
-    servers: list[tuple[str, subprocess.Popen]] = []
-    try:
-        for _ in range(count):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", env_id, "--port",
-                                        str(port), "--env-kwargs", json.dumps(env_kwargs), "--max-sessions", "4096"],
-                                       stdout=subprocess.DEVNULL)
-            servers.append((f"http://127.0.0.1:{port}/{env_id}", process))
-        for url, process in servers:
-            deadline = time.monotonic() + 30
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"env server {url} exited with status {process.returncode}")
-                try:
-                    if httpx.get(url.rsplit("/", 1)[0] + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"env server {url} did not answer /health within 30 s")
-                time.sleep(0.1)
-    except BaseException:
-        stop_env_servers(servers)
-        raise
-    return servers
-
-
-def stop_env_servers(servers: list[tuple[str, subprocess.Popen]]) -> None:
-    """SIGTERM each server, then kill any still running after 10 s."""
-    for _, process in servers:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for _, process in servers:
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 
 if __name__ == "__main__":

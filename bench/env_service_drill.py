@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from rollflow.envs.local_servers import free_port, start_env_server, stop_env_servers
+from rollflow.envs.local_servers import wait_healthy as wait_server
 
 STEPS = 4
 RUN_LIMIT_S = 180.0  # a case's run takes 12-25 s on 2 cores; past this it is a hang
@@ -131,42 +133,22 @@ class Case:
     during: Callable[[subprocess.Popen, Path, list[Server]], str] | None = None  # what it did, or why not
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(scratch: Path, env_id: str, env_kwargs: dict[str, Any]) -> Server:
     """One `rollflow env serve` subprocess on a free port (its cwd the scratch directory, so `drill_envs`
     imports); not yet answering: `wait_healthy`."""
-    port = free_port()
-    stderr = open(scratch / f"server_{port}.err", "w")  # noqa: SIM115  (the child holds it)
-    process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", env_id, "--port",
-                                str(port), "--env-kwargs", json.dumps(env_kwargs), "--step-timeout-s",
-                                str(SERVER_STEP_TIMEOUT_S)], cwd=scratch, stdout=subprocess.DEVNULL,
-                               stderr=stderr, start_new_session=True)
-    stderr.close()
-    return Server(f"http://127.0.0.1:{port}/{env_id}", process=process)
+    stderr = open(scratch / f"server_{len(list(scratch.glob('server_*.err')))}.err", "w")  # noqa: SIM115
+    url, process = start_env_server(env_id, env_kwargs, ["--step-timeout-s", str(SERVER_STEP_TIMEOUT_S)],
+                                    cwd=scratch, stderr=stderr, start_new_session=True)
+    stderr.close()  # the child holds it
+    return Server(url, process=process)
 
 
 def wait_healthy(servers: list[Server], limit_s: float = SERVER_START_S) -> None:
     """Every `rollflow env serve` of `servers` answers /health within `limit_s`, else RuntimeError."""
     deadline = time.monotonic() + limit_s
     for server in servers:
-        if server.process is None:
-            continue
-        while True:
-            if server.process.poll() is not None:
-                raise RuntimeError(f"env server {server.url} exited with status {server.process.returncode}")
-            try:
-                if httpx.get(server.url.rsplit("/", 1)[0] + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"env server {server.url} did not answer /health within {limit_s:g} s")
-            time.sleep(0.2)
+        if server.process is not None:
+            wait_server(server.url, server.process, max(deadline - time.monotonic(), 0.0))
 
 
 class _Garbage(http.server.BaseHTTPRequestHandler):
@@ -193,16 +175,8 @@ def garbage_server() -> Server:
 
 def stop_servers(servers: list[Server]) -> None:
     """SIGTERM every server still running, kill any still running 10 s later; shut the garbage server down."""
+    stop_env_servers(server.process for server in servers if server.process is not None)
     for server in servers:
-        if server.process is not None and server.process.poll() is None:
-            server.process.send_signal(signal.SIGTERM)
-    for server in servers:
-        if server.process is not None:
-            try:
-                server.process.wait(10)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait(10)
         if server.http is not None:
             server.http.shutdown()
             server.http.server_close()

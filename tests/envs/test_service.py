@@ -11,7 +11,6 @@ import contextlib
 import http.server
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import pytest
 import uvicorn
 
 from rollflow.config.agentic import EnvConfig
+from rollflow.envs.local_servers import free_port, start_env_servers, stop_env_servers, wait_healthy
 from rollflow.envs.make import check_env_id, env_urls, make_env
 from rollflow.envs.remote import RemoteEnv, RemoteEnvError, held_sessions
 from rollflow.envs.service import create_app, json_safe
@@ -32,12 +32,6 @@ from tests.envs.slow_env import TOOLS
 
 SLOW = "tests.envs.slow_env:make"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -61,40 +55,11 @@ def serving(env_id: str, env_kwargs: dict[str, Any] | None = None, **limits: Any
 @contextlib.contextmanager
 def serving_subprocess(env_id: str, count: int):
     """`count` `rollflow env serve` subprocesses; yields [(url, process)]."""
-    servers = []
+    servers = start_env_servers(env_id, count, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(count):
-            port = free_port()
-            process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", env_id, "--port",
-                                        str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
-            servers.append((f"http://127.0.0.1:{port}/{env_id}", process))
-        for url, process in servers:
-            wait_healthy(url, process)
         yield servers
     finally:
-        for _, process in servers:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for _, process in servers:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-
-
-def wait_healthy(url: str, process: subprocess.Popen, limit_s: float = 30.0) -> None:
-    health = url.rsplit("/", 1)[0] + "/health"
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"env server exited: {process.stderr.read()}"
-        try:
-            if httpx.get(health, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise AssertionError(f"env server {url} did not answer within {limit_s} s")
+        stop_env_servers(process for _, process in servers)
 
 
 def post(url: str, route: str, **body: Any) -> httpx.Response:
