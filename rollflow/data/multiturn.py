@@ -162,11 +162,12 @@ class TurnEncoder:
         result as a `tool` message (as the template renders consecutive ones) and the generation prompt."""
         return self._closing(model_ids) + self.encode(self._tool_text(results))
 
-    def next_turn(self, observation: str, tool_results: list[str] | None, model_ids: list[int]) -> list[int]:
-        """`tool_turn` when the env answered with tool results (`info["tool_results"]`), else `observation_turn`."""
-        if tool_results is not None:
-            return self.tool_turn(tool_results, model_ids)
-        return self.observation_turn(observation, model_ids)
+    def next_turn(self, seen: str | list[str], model_ids: list[int]) -> list[int]:
+        """`tool_turn` when the env answered with tool results (a list: `info["tool_results"]`), else
+        `observation_turn` of the observation text."""
+        if isinstance(seen, list):
+            return self.tool_turn(seen, model_ids)
+        return self.observation_turn(seen, model_ids)
 
     def _closing(self, model_ids: list[int]) -> list[int]:
         closing = self.end_of_turn_ids

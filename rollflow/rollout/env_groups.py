@@ -194,8 +194,7 @@ class EnvGroups:
                 tool_results = info.get("tool_results")
                 seen = tool_results if isinstance(tool_results, list) else observation
                 if settings.samples == "trajectory" and number + 1 < settings.max_turns:  # a next turn follows
-                    episode.add_observation(encoder.next_turn(observation, tool_results if isinstance(
-                        tool_results, list) else None, output.token_ids))
+                    episode.add_observation(encoder.next_turn(seen, output.token_ids))
             else:
                 episode.status = SampleStatus.TRUNCATED  # the turn limit
         except asyncio.CancelledError:

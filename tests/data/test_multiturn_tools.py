@@ -43,7 +43,7 @@ def test_tool_turns_are_the_tokens_of_the_whole_conversation(template, results, 
     stop = encoder.end_of_turn_ids[:1] if model_stops else []  # the engine stops on the first end-of-turn token
     first = encoder.encode(CALL) + stop  # a turn the model ended itself, or one cut by the length limit
     second = encoder.encode("10063") + stop
-    ids = encoder.first_prompt("347*29") + first + encoder.next_turn("ignored", results, first) + second
+    ids = encoder.first_prompt("347*29") + first + encoder.next_turn(results, first) + second
     ids += encoder.end_of_turn_ids[len(stop):]
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = [*system, {"role": "user", "content": "347*29"}, {"role": "assistant", "content": CALL},
@@ -58,8 +58,8 @@ def test_a_user_observation_after_a_tool_turn_renders_as_a_user_turn(template):
     tokenizer = _tokenizer(template)
     encoder = TurnEncoder(tokenizer, None, [CALCULATOR])
     ids = encoder.first_prompt("go") + encoder.encode(CALL)
-    ids += encoder.next_turn("", ["7"], encoder.encode(CALL)) + encoder.encode("left")
-    ids += encoder.next_turn("a wall", None, encoder.encode("left")) + encoder.encode("done") + encoder.end_of_turn_ids
+    ids += encoder.next_turn(["7"], encoder.encode(CALL)) + encoder.encode("left")
+    ids += encoder.next_turn("a wall", encoder.encode("left")) + encoder.encode("done") + encoder.end_of_turn_ids
     messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": CALL},
                 {"role": "tool", "content": "7"}, {"role": "assistant", "content": "left"},
                 {"role": "user", "content": "a wall"}, {"role": "assistant", "content": "done"}]
