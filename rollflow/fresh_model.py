@@ -119,3 +119,69 @@ def save_fresh_model(out_dir: str | Path, seed: int = 0, **sizes: int) -> int:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def save_fresh_vl_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 4,
+                        num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 512,
+                        max_positions: int = 256, vision_depth: int = 2, vision_width: int = 64,
+                        vision_heads: int = 4, image_size: int = 32) -> int:
+    """Randomly initialize a small Qwen2-VL (the architecture of `Qwen2VLForConditionalGeneration`) and save
+    it in HF format with the ASCII tokenizer plus the vision tokens (`build_ascii_vl_tokenizer`) and its image
+    processor (`preprocessor_config.json`).
+
+    The language model is the tiny Qwen2's (`fresh_qwen2_config`'s sizes); the vision tower cuts an image into
+    4x4-pixel patches (two frames of one image, as Qwen2-VL does), runs `vision_depth` blocks of width
+    `vision_width`, and merges 2x2 patches into one token of the language model's width: a 32x32 image is
+    64 patches and 16 tokens. The image processor resizes every image to about `image_size` squared pixels
+    (sides rounded to multiples of 8).
+
+    Returns:
+        The number of parameters (tied embeddings counted once).
+
+    Raises:
+        ConfigError: as `save_fresh_model`.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from rollflow.data.char_tokenizer import build_ascii_vl_tokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = build_ascii_vl_tokenizer(max_positions)
+    text = fresh_qwen2_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                              max_positions)
+    half_head = hidden_size // num_heads // 2  # rotary pairs per head, split over (time, height, width)
+    sections = [half_head - 2 * (half_head * 3 // 8), half_head * 3 // 8, half_head * 3 // 8]
+    if vision_width % vision_heads or (vision_width // vision_heads) % 2:
+        raise ConfigError(f"vision_width {vision_width} / vision_heads {vision_heads} must be a whole, even head size")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        what = "a directory that is not empty" if out_dir.is_dir() else "a file"
+        raise ConfigError(f"{out_dir} is {what}; give a new or empty directory")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in
+           ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    config = Qwen2VLConfig(
+        text_config={**text.to_dict(), "model_type": "qwen2_vl_text",
+                     "rope_scaling": {"type": "mrope", "mrope_section": sections}},
+        vision_config={"depth": vision_depth, "embed_dim": vision_width, "hidden_size": hidden_size,
+                       "num_heads": vision_heads, "mlp_ratio": 2, "patch_size": 4, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "in_channels": 3},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
+    )
+    pixels = image_size * image_size
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels},
+                                               patch_size=4, merge_size=2, temporal_patch_size=2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    return sum(parameter.numel() for parameter in model.parameters())

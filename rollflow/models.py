@@ -216,15 +216,17 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False) -> torch.nn.Module:
-    """Load a causal LM for training or inference (eval mode; the caller switches to train)."""
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM for training or inference (eval mode; the caller switches to train): a text model
+    through `AutoModelForCausalLM`, a vision-language one (Qwen2-VL, ...) through
+    `AutoModelForImageTextToText`; both take token ids and give next-token logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     _quiet_transformers()
     resolved = resolve_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        model = auto.from_pretrained(resolved, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     except Exception as err:
         reason = _first_line(err)
         if "ignore_mismatched_sizes" in reason:  # the shapes are in a report transformers logged, not the error
@@ -348,3 +350,87 @@ def cache_keyword(model: torch.nn.Module) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# Module names under which vision-language models keep their image encoder and its projection (Qwen2-VL's
+# family: `visual`; LLaVA's: `vision_tower`, `multi_modal_projector`; others: `vision_model`).
+VISION_MODULES = frozenset({"visual", "vision_tower", "vision_model", "multi_modal_projector"})
+
+
+def is_vision_weight(name: str) -> bool:
+    """Whether a parameter name is a vision tower's (a module named in `VISION_MODULES` on its path)."""
+    return not VISION_MODULES.isdisjoint(name.split("."))
+
+
+def is_vision_language(config) -> bool:
+    """Whether a model config is a vision-language model's (transformers loads it as image-text-to-text and
+    not as a causal LM: Qwen2-VL, Qwen2.5-VL, ...)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def uses_mrope(model: torch.nn.Module) -> bool:
+    """Whether the model places tokens by multimodal rotary positions (`get_rope_index`: Qwen2-VL's family),
+    so its inputs need `vision_inputs`' three-axis positions, image or not."""
+    return _rope_index_owner(model) is not None
+
+
+def _rope_index_owner(model: torch.nn.Module):
+    """The submodule that has `get_rope_index` (under PEFT or FSDP wrappers too), or None; looked up once."""
+    if not hasattr(model, "_rollflow_rope_owner"):
+        owner = next((module for module in model.modules() if callable(getattr(module, "get_rope_index", None))),
+                     None)
+        object.__setattr__(model, "_rollflow_rope_owner", owner)
+    return model._rollflow_rope_owner
+
+
+def vision_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  vision: tuple[torch.Tensor, torch.Tensor] | None,
+                  image_tokens: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """The inputs of a multimodal-rotary model (`uses_mrope`: Qwen2-VL's family) for one forward over whole
+    sequences (a prefill, or prompts and responses in training).
+
+    The image features go into the input embeddings here, at `image_tokens`, and not by the model's own
+    placement (every image-pad token of `input_ids`): a model may sample the image-pad token itself, and
+    that token is text, as its engine fed it.
+
+    Args:
+        input_ids: [B, L] token ids, left-padded; image tokens expanded (one per merged patch).
+        attention_mask: [B, L] 1 on real tokens.
+        vision: ([patches, D] pixel values, [images, 3] grids) of the images of the rows, in row order; None:
+            no row has an image.
+        image_tokens: [B, L] bool, the tokens that stand for image patches; None: every image-pad token (a
+            prompt's).
+
+    Returns:
+        (keyword inputs for `model(...)` that replace `input_ids`: `inputs_embeds` [B, L, H] and `position_ids`
+        [3, B, L] counted from each row's first real token; the [B] rope deltas: the token after a row's
+        last one sits at text position (its real tokens) + delta).
+
+    Raises:
+        ValueError: the images' features do not fill the image tokens exactly (one line with both counts).
+    """
+    owner = _rope_index_owner(model)
+    image_token = getattr(owner.config, "image_token_id", None)
+    if image_tokens is None:
+        image_tokens = input_ids == image_token if image_token is not None else torch.zeros_like(input_ids,
+                                                                                                 dtype=torch.bool)
+    grids = None if vision is None else vision[1].to(input_ids.device)
+    positions, deltas = owner.get_rope_index(input_ids, mm_token_type_ids=image_tokens.int(),
+                                             image_grid_thw=grids, attention_mask=attention_mask)  # [3, B, L]
+    embeds = owner.get_input_embeddings()(input_ids)  # [B, L, H]
+    if vision is not None or image_tokens.any():
+        features = torch.zeros(0, embeds.shape[-1], dtype=embeds.dtype, device=embeds.device)
+        if vision is not None:
+            output = owner.get_image_features(vision[0].to(input_ids.device), grids, return_dict=True)
+            features = torch.cat(list(output.pooler_output)).to(embeds.dtype)  # [image tokens, H]
+        if features.shape[0] != int(image_tokens.sum()):
+            raise ValueError(f"the images give {features.shape[0]} image features for {int(image_tokens.sum())} "
+                             "image tokens in the input ids")
+        embeds = embeds.masked_scatter(image_tokens.unsqueeze(-1).expand_as(embeds), features)
+    return {"input_ids": None, "inputs_embeds": embeds, "position_ids": positions}, deltas.reshape(-1)

@@ -107,6 +107,8 @@ class TrainerSettings:
         device: "cpu", "cuda", or None for CUDA when available. Inputs move to it per micro-batch.
         on_nonfinite: a non-finite loss or gradient norm: "stop" raises NonFiniteError, "skip_step" drops
             the step (gradient cleared, weights and LR schedule unchanged) and goes on.
+        freeze_vision_tower: a vision-language model's vision tower stays frozen and out of weight syncs;
+            False: it trains (in full, beside LoRA adapters when `lora`).
     """
 
     model_path: str
@@ -126,6 +128,7 @@ class TrainerSettings:
     lora: dict[str, Any] | None = None
     device: str | None = None
     on_nonfinite: str = "stop"
+    freeze_vision_tower: bool = False
 
     def __post_init__(self):
         if self.lora is not None and (self.value_head or not self.trainable):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from rollflow.backends.backend_base import TrainingBackendBase
 from rollflow.backends.base import LossFn, TrainerSettings
-from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state
+from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state, synced_weights
 from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
 from rollflow.models import DTYPES, load_causal_lm
@@ -248,7 +248,8 @@ class FSDP2Backend(TrainingBackendBase):
         if self.rank != 0:
             return {}
         # named_parameters lists a tied parameter once, under the same name TorchBackend reports
-        return {name: state[name].contiguous() for name, _ in self.model.named_parameters()}
+        return synced_weights({name: state[name].contiguous() for name, _ in self.model.named_parameters()},
+                              self.settings)
 
     def save(self, path: str | Path) -> None:
         """Collective checkpoint under `path`: rank 0 writes the model + tokenizer in HF format (a value model:

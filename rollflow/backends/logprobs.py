@@ -14,13 +14,31 @@ def model_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         [B, T, V] logits; row b, column t predicts response token t (input column P + t).
     """
     prompt_width, response_width = batch.prompt_length, batch.response_width
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
+    inputs = {"input_ids": batch.input_ids, **model_inputs(model, batch)}
+    output = model(attention_mask=batch.attention_mask, use_cache=False, **inputs)
     return output.logits[:, prompt_width - 1 : prompt_width + response_width - 1].float()  # [B, T, V]
+
+
+def model_inputs(model: torch.nn.Module, batch: Batch) -> dict:
+    """The inputs of a forward over `batch` besides its attention mask: [B, P + T] positions for a text model;
+    for a multimodal-rotary one (Qwen2-VL's family) [3, B, P + T] positions and the input embeddings with the
+    rows' image features in place (`rollflow.models.vision_inputs`), the same the engine prefilled with.
+
+    Raises:
+        ValueError: the batch has images and the model is not a vision-language model.
+    """
+    from rollflow.models import uses_mrope, vision_inputs
+
+    vision = batch.vision_tensors()
+    if not uses_mrope(model):
+        if vision is not None:
+            raise ValueError(f"the batch has images, but {type(model).__name__} is a text-only model")
+        return {"position_ids": batch.position_ids}
+    image_tokens = None
+    if vision is not None:  # the prompt's image pads, and a response's that the env wrote (loss mask 0)
+        image_tokens = batch.input_ids == model.config.image_token_id  # [B, P + T]
+        image_tokens[:, batch.prompt_length:] &= batch.response_mask == 0
+    return vision_inputs(model, batch.input_ids, batch.attention_mask, vision, image_tokens)[0]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

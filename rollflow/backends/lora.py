@@ -57,9 +57,15 @@ def wrap_with_lora(model: torch.nn.Module, lora: dict[str, Any] | LoraConfig) ->
     import peft
 
     settings = lora if isinstance(lora, LoraConfig) else LoraConfig.model_validate(lora)
+    from rollflow.models import VISION_MODULES
+
+    # A vision-language model's adapters go on its language model only; its vision tower trains in full or
+    # not at all (`TrainerSettings.freeze_vision_tower`).
+    vision = [name for name, _ in model.named_modules() if name.split(".")[-1] in VISION_MODULES]
     peft_config = peft.LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=settings.target_modules, bias="none", task_type="CAUSAL_LM",
+        exclude_modules=r"(.*\.)?(" + "|".join(sorted(VISION_MODULES)) + r")(\..*)?" if vision else None,
     )
     with warnings.catch_warnings():
         # peft 0.21 reads a transformers attribute deprecated in 5.x; nothing for a user to act on
@@ -141,11 +147,14 @@ def merged_model(peft_model: torch.nn.Module) -> torch.nn.Module:
     Built on the meta device and filled by assignment, so it shares the frozen tensors instead of copying
     the whole model; only the LoRA layers' merged weights are new memory.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rollflow.models import is_vision_language
 
     base = peft_model.get_base_model()
+    auto = AutoModelForImageTextToText if is_vision_language(base.config) else AutoModelForCausalLM
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
+        plain = auto.from_config(base.config, dtype=base.dtype)
     plain.load_state_dict(merged_state_dict(peft_model), strict=True, assign=True)
     plain.generation_config = base.generation_config
     return plain.eval()

@@ -23,7 +23,7 @@ import torch
 
 from rollflow.backends.backend_base import TrainingBackendBase
 from rollflow.backends.base import LossFn, TrainerSettings
-from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state
+from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state, synced_weights
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm
 
@@ -68,7 +68,8 @@ class TorchBackend(TrainingBackendBase):
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters by name, detached on CPU (tied weights appear once), for weight sync.
 
-        With LoRA: the merged weights under the plain HF model's parameter names and shapes.
+        With LoRA: the merged weights under the plain HF model's parameter names and shapes. A frozen vision
+        tower's weights are left out (`synced_weights`).
         """
         if self.settings.lora is not None:
             from rollflow.backends.lora import merged_named_parameters
@@ -76,7 +77,7 @@ class TorchBackend(TrainingBackendBase):
             weights = merged_named_parameters(self.model)
         else:
             weights = {name: p.detach() for name, p in self.model.named_parameters()}
-        return {name: tensor.to("cpu").contiguous() for name, tensor in weights.items()}
+        return {name: tensor.to("cpu").contiguous() for name, tensor in synced_weights(weights, self.settings).items()}
 
     def save(self, path: str | Path) -> None:
         """Model + tokenizer in HF format under `path` (a value model: `value_model.safetensors`), optimizer /

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rollflow.backends.base import TrainerSettings, lr_multiplier
+from rollflow.models import is_vision_weight
 
 
 def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -50,7 +51,19 @@ def build_model(settings: TrainerSettings) -> torch.nn.Module:
         model = wrap_with_lora(model, settings.lora)
     if not settings.trainable:
         model.requires_grad_(False)
+    elif settings.freeze_vision_tower or settings.lora is not None:
+        # frozen, or trained in full beside the language model's LoRA adapters (PEFT froze it)
+        for name, parameter in model.named_parameters():
+            if is_vision_weight(name) and "lora_" not in name:
+                parameter.requires_grad_(not settings.freeze_vision_tower)
     return model
+
+
+def synced_weights(weights: dict[str, torch.Tensor], settings: TrainerSettings) -> dict[str, torch.Tensor]:
+    """The weights a sync sends: all of them, but a frozen vision tower's (the engines hold them already)."""
+    if not settings.freeze_vision_tower:
+        return weights
+    return {name: tensor for name, tensor in weights.items() if not is_vision_weight(name)}
 
 
 def build_optimizer(model: torch.nn.Module, settings: TrainerSettings

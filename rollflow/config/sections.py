@@ -52,6 +52,12 @@ class ModelConfig(Strict):
         default=False,
         description="Passed to the Hugging Face loaders: run the modelling code a model's repository ships. "
                     "Only for models you trust.")
+    freeze_vision_tower: bool = Field(
+        default=False,
+        description="A vision-language model: keep its vision tower (the image encoder and its merger) frozen; "
+                    "only the language model trains, and weight syncs leave the engines' vision weights as they "
+                    "are. `false`: the tower trains too (with `train.lora`, in full, beside the language model's "
+                    "adapters). Ignored for a text model.")
 
 
 class DatasetConfig(Strict):
@@ -150,6 +156,13 @@ class DataConfig(Strict):
                     "`_`, at most 64 characters, not `mean`, `std` or `reward`. `null`: one dataset, "
                     "`data.train`.")
     prompt_key: str = Field(default="prompt", description="The column holding the user message.")
+    image_key: str = Field(
+        default="images",
+        description="The column holding a row's images, for a vision-language model (Qwen2-VL's family): a file "
+                    "path (relative to the dataset file's directory, or the working directory), a `datasets` "
+                    "image, or a list of them. The prompt places them where it says `<image>`, else before its "
+                    "text. A row without the column is text only; rows with images for a text-only model are a "
+                    "data error.")
     answer_key: str = Field(
         default="answer",
         description="The column holding the reference answer; rewards receive it as `answer`, whatever the "

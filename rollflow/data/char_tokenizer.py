@@ -152,3 +152,32 @@ def build_ascii_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFas
         chat_template=ASCII_CHAT_TEMPLATE,
         model_max_length=model_max_length,
     )
+
+
+# A user or tool message's content may be a list of parts (`{"type": "image"}`, `{"type": "text", "text": ...}`),
+# as vision-language chat formats give images: an image part is Qwen2-VL's placeholder run.
+_RENDER_CONTENT = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+)
+ASCII_VL_CHAT_TEMPLATE = _RENDER_CONTENT + ASCII_CHAT_TEMPLATE.replace(
+    "{{ '<|user|>' + message['content'] }}", "{{ '<|user|>' + render(message['content']) }}").replace(
+    "{{ '<tool_response>' + message['content'] + '</tool_response>' }}",
+    "{{ '<tool_response>' + render(message['content']) + '</tool_response>' }}")
+
+
+def build_ascii_vl_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast:
+    """`build_ascii_tokenizer` plus the four vision tokens of Qwen2-VL (`<|vision_start|>`, `<|vision_end|>`,
+    `<|image_pad|>`, `<|video_pad|>`: ids 262-265) and a chat template whose user and tool messages may hold
+    image parts (`ASCII_VL_CHAT_TEMPLATE`)."""
+    from tokenizers import AddedToken
+
+    tokenizer = build_ascii_tokenizer(model_max_length)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in VL_SPECIAL_TOKENS],
+                         special_tokens=True)
+    tokenizer.chat_template = ASCII_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+VL_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -17,6 +17,16 @@ from typing import Any
 from rollflow.data.arithmetic import ARITHMETIC_TASKS, arithmetic_splits
 from rollflow.data.seeds import derive_seed
 from rollflow.data.tables import read_rows
+from rollflow.data.vision import (
+    VisionInputs,
+    VisionProcessor,
+    described_images,
+    image_messages,
+    row_images,
+    vision_from_state,
+    vision_state,
+)
+from rollflow.data.visual_tasks import VISUAL_TASKS, visual_task_splits
 from rollflow.errors import DataError
 
 Row = dict[str, Any]
@@ -48,9 +58,13 @@ def load_rows(task: str | None = None, path: str | None = None, split: str = "tr
             JSON line, ...), a required column missing from a row, no rows.
     """
     if task is not None:
-        if task not in ARITHMETIC_TASKS:
-            raise DataError(ARITHMETIC_TASKS.unknown_message(task))
-        train, held_out = arithmetic_splits(task, seed=0)  # the split is fixed, independent of the run seed
+        if task in VISUAL_TASKS:
+            train, held_out = visual_task_splits(task)
+        elif task in ARITHMETIC_TASKS:
+            train, held_out = arithmetic_splits(task, seed=0)  # the split is fixed, independent of the run seed
+        else:
+            raise DataError(ARITHMETIC_TASKS.unknown_message(task).rstrip(".")
+                            + f" (or a visual task: {', '.join(VISUAL_TASKS.names())})")
         rows = [dict(r) for r in (train if split == "train" else held_out)]
         source = f"task {task!r}"
     elif path is not None:
@@ -83,26 +97,54 @@ def load_dataset(dataset, prompt_key: str = "prompt", answer_key: str = "answer"
 
 @dataclass
 class EncodedPrompt:
-    """A prompt ready for the engine: its row, rendered text and token ids."""
+    """A prompt ready for the engine: its row, rendered text and token ids, and its images as the model's
+    processor made them (`vision`; None for a text prompt).
+
+    The row keeps its columns; images held in it as objects (PIL images, bytes) are replaced by a short
+    description (`<image 32x32>`), so rows stay JSON (samples.jsonl, checkpoints) while `vision` carries
+    the pixels.
+    """
 
     row: Row
     text: str
     token_ids: list[int]
+    vision: VisionInputs | None = None
+
+    def state(self) -> dict:
+        """The prompt as JSON (a checkpoint's pending groups); `from_state` reads it back."""
+        return {"row": self.row, "text": self.text, "token_ids": self.token_ids,
+                "vision": None if self.vision is None else vision_state(self.vision)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> EncodedPrompt:
+        vision = state.get("vision")
+        return cls(state["row"], state["text"], state["token_ids"],
+                   None if vision is None else vision_from_state(vision))
 
 
 class PromptEncoder:
     """Renders rows into prompt text (chat template or raw) and token ids.
+
+    Rows with images (their `image_key` column: see `rollflow.data.vision`) are rendered as a user turn
+    holding the images and the text, and encoded by the model's `processor`, whose expanded image tokens
+    count towards `max_prompt_tokens`.
 
     Args:
         tokenizer: a transformers tokenizer.
         prompt_key: the row column holding the user message.
         apply_chat_template: wrap the prompt as a user turn (when the tokenizer has a template).
         max_prompt_tokens: longer prompts raise `DataError`.
+        processor: the model's `VisionProcessor`; None: a text-only model, whose rows with images raise
+            `DataError`.
+        image_key: the row column holding the images (relative paths: from the working directory;
+            `rollflow.data.vision.resolve_image_paths` makes a dataset's relative to its file).
     """
 
     def __init__(self, tokenizer, prompt_key: str = "prompt", apply_chat_template: bool = True,
-                 max_prompt_tokens: int = 256):
+                 max_prompt_tokens: int = 256, processor: VisionProcessor | None = None,
+                 image_key: str = "images"):
         self.tokenizer = tokenizer
+        self.processor, self.image_key = processor, image_key
         self.prompt_key = prompt_key
         self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.max_prompt_tokens = max_prompt_tokens
@@ -144,21 +186,47 @@ class PromptEncoder:
         """`encode` of every row, the tokenizer called once for all of them (a fast tokenizer's batch call
         is ~10x cheaper than one call a row). Raises like `encode`, without saying which row: on an error,
         encode row by row to find it."""
+        if any(row.get(self.image_key) for row in rows):
+            return [self.encode(row) for row in rows]  # the processor encodes one prompt with its images
         texts = [self.render(row) for row in rows]
         all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         return [self._checked(row, text, ids) for row, text, ids in zip(rows, texts, all_ids)]
 
     def encode(self, row: Row) -> EncodedPrompt:
+        """The row's prompt, encoded (with its images, when it has some).
+
+        Raises:
+            DataError: a row with images for a text-only model, an image that cannot be read, an image
+                count the prompt's `<image>` markers disagree with, too many tokens.
+        """
+        if row.get(self.image_key):
+            return self._encode_with_images(row)
         text = self.render(row)
         return self._checked(row, text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _checked(self, row: Row, text: str, ids: list[int]) -> EncodedPrompt:
+    def _encode_with_images(self, row: Row) -> EncodedPrompt:
+        if self.processor is None:
+            raise DataError(f"the row has images (column {self.image_key!r}), but the model is text-only: use a "
+                            "vision-language model (Qwen2-VL's family), or drop the column")
+        images = row_images(row, self.image_key)
+        prompt = row[self.prompt_key]
+        if not isinstance(prompt, str):
+            raise DataError("a prompt with images must be a string (its images go where it says <image>)")
+        if not self.use_template:
+            raise DataError("a prompt with images needs the model's chat template (data.apply_chat_template: "
+                            "true) to place its images")
+        text = self.tokenizer.apply_chat_template(image_messages(prompt, len(images)), add_generation_prompt=True,
+                                                  tokenize=False)
+        ids, vision = self.processor(text, images)
+        return self._checked(described_images(row, self.image_key), text, ids, vision)
+
+    def _checked(self, row: Row, text: str, ids: list[int], vision: VisionInputs | None = None) -> EncodedPrompt:
         if len(ids) > self.max_prompt_tokens:
             raise DataError(f"a prompt has {len(ids)} tokens, over data.max_prompt_tokens="
                             f"{self.max_prompt_tokens}: {text[:60]!r}...")
         if not ids:
             raise DataError(f"a prompt encodes to no tokens: {text!r}")
-        return EncodedPrompt(row, text, ids)
+        return EncodedPrompt(row, text, ids, vision)
 
 
 # Two user texts no template treats specially (no markup, no surrounding whitespace), to find its frame.

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rollflow.data.vision import VisionInputs, stack_vision
+
 
 class SampleStatus(str, enum.Enum):
     """How a sample's generation ended (or why it was dropped)."""
@@ -44,6 +46,8 @@ class Sample:
         prompt_text / response_text: decoded text, for rewards and logs.
         row: the dataset row (answer and any extra columns), passed to reward functions.
         metadata: free-form extras (request id, timings, finish reason, ...).
+        vision: the prompt's images as the processor made them (`VisionInputs`: pixel values, grids), the
+            tensors the engine prefilled with and the trainer recomputes logprobs with; None: text only.
     """
 
     prompt_ids: list[int]
@@ -61,6 +65,7 @@ class Sample:
     response_text: str = ""
     row: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -100,6 +105,8 @@ class Batch:
         extras: other [B] / [B, T] tensors added later (advantages, old_logprobs, ref_logprobs, values).
         domain_ids: [B] long, each sample's domain as an index into `domain_names`; None: not known.
         domain_names: the domains of the batch, sorted (the names of `domain_ids`).
+        vision: each row's `VisionInputs` (None for a row without images); None when no row has images.
+            Rows select with the others; `vision_tensors` joins them for the model.
     """
 
     input_ids: torch.Tensor
@@ -116,6 +123,7 @@ class Batch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     domain_ids: torch.Tensor | None = None
     domain_names: tuple[str, ...] = ()
+    vision: list[VisionInputs | None] | None = None
 
     @property
     def size(self) -> int:
@@ -152,10 +160,23 @@ class Batch:
                 "policy_versions", "rewards", "group_ids", "response_lengths", "truncated",
             )
         }
+        vision = None
+        if self.vision is not None:
+            if isinstance(index, slice):
+                rows = range(self.size)[index]
+            else:
+                picked = torch.as_tensor(index)
+                rows = (picked.nonzero().flatten() if picked.dtype == torch.bool else picked.reshape(-1)).tolist()
+            vision = [self.vision[row] for row in rows]
         return Batch(**fields, prompt_length=self.prompt_length,
                      extras={k: v[index] for k, v in self.extras.items()},
                      domain_ids=None if self.domain_ids is None else self.domain_ids[index],
-                     domain_names=self.domain_names)
+                     domain_names=self.domain_names, vision=vision)
+
+    def vision_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([patches, D] pixel values, [images, 3] grids) of the rows' images in row order (`stack_vision`);
+        None when no row has an image."""
+        return None if self.vision is None else stack_vision(self.vision)
 
     def trimmed(self) -> Batch:
         """The batch without the columns that are padding in every row: leading prompt columns and trailing
@@ -282,4 +303,5 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
         prompt_length=prompt_width,
         domain_ids=torch.tensor([domain_names.index(s.domain) for s in samples], dtype=torch.long),
         domain_names=domain_names,
+        vision=[s.vision for s in samples] if any(s.vision is not None for s in samples) else None,
     )

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from rollflow.data.sample import Sample
+from rollflow.data.vision import VisionInputs, VisionProcessor, described_images, image_messages, row_images
 from rollflow.errors import DataError
 
 Item = TypeVar("Item")
@@ -71,11 +72,17 @@ class ConversationEncoder:
         messages_key, prompt_key, response_key: the row's columns.
         apply_chat_template: use the tokenizer's chat template when it has one.
         max_tokens: the longest conversation, in tokens; longer is a `DataError`.
+        processor: a vision-language model's `VisionProcessor`: a row's images (`image_key` column) go into
+            its first user turn (where it says `<image>`, else before its text) and `Sample.vision`; None: a
+            text-only model, whose rows with images are a `DataError`.
+        image_key: the row column holding the images.
     """
 
     def __init__(self, tokenizer, messages_key: str = "messages", prompt_key: str = "prompt",
-                 response_key: str = "response", apply_chat_template: bool = True, max_tokens: int = 512):
+                 response_key: str = "response", apply_chat_template: bool = True, max_tokens: int = 512,
+                 processor: VisionProcessor | None = None, image_key: str = "images"):
         self.tokenizer = tokenizer
+        self.processor, self.image_key = processor, image_key
         self.messages_key, self.prompt_key, self.response_key = messages_key, prompt_key, response_key
         self.use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.max_tokens = max_tokens
@@ -94,7 +101,10 @@ class ConversationEncoder:
             DataError: a missing / malformed column, a template that does not extend its own prefixes, no
                 assistant token to train on, or more than `max_tokens` tokens.
         """
-        ids, mask = self._tokens(self.conversation(row, response), _tools(row))
+        messages, vision = self.conversation(row, response), None
+        if row.get(self.image_key):
+            messages, vision = self._with_images(row, messages)
+        ids, mask = self._tokens(messages, _tools(row), vision)
         if len(ids) > self.max_tokens:
             raise DataError(f"the conversation has {len(ids)} tokens, over data.max_tokens={self.max_tokens}")
         first = mask.index(1) if 1 in mask else len(mask)
@@ -103,7 +113,28 @@ class ConversationEncoder:
         if first == 0:
             raise DataError("the conversation starts with an assistant turn; it needs a prompt before it")
         return Sample(prompt_ids=ids[:first], response_ids=ids[first:], loss_mask=mask[first:],
-                      prompt_text=self.tokenizer.decode(ids[:first]), row=dict(row))
+                      prompt_text=self.tokenizer.decode(ids[:first]), row=described_images(dict(row), self.image_key),
+                      vision=vision)
+
+    def _with_images(self, row: dict[str, Any], messages: list[dict]) -> tuple[list[dict], VisionInputs]:
+        """The conversation with the row's images in its first user turn (where it says `<image>`, else before
+        its text), and the images processed.
+
+        Raises:
+            DataError: a text-only model, an unreadable image, no user turn, markers that do not match.
+        """
+        if self.processor is None:
+            raise DataError(f"the row has images (column {self.image_key!r}), but the model is text-only: use a "
+                            "vision-language model (Qwen2-VL's family), or drop the column")
+        if not self.use_template:
+            raise DataError("a row with images needs the model's chat template (data.apply_chat_template: true)")
+        images = row_images(row, self.image_key)
+        first_user = next((i for i, message in enumerate(messages) if message["role"] == "user"), None)
+        if first_user is None:
+            raise DataError("the row has images but no user turn to hold them")
+        content = image_messages(messages[first_user]["content"], len(images))[0]["content"]
+        messages = [*messages[:first_user], {**messages[first_user], "content": content}, *messages[first_user + 1:]]
+        return messages, self.processor.process(images)
 
     def has_blank_response(self, row: dict[str, Any], response: Any = None) -> bool:
         """Whether the row trains on nothing but the end-of-turn tokens: its response (a chat row: every
@@ -158,8 +189,10 @@ class ConversationEncoder:
         raise DataError(f"the prompt (column {self.prompt_key!r}) must be a string or chat turns, not "
                         f"{type(prompt).__name__}")
 
-    def _tokens(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-        """Token ids of the whole conversation and a 0/1 mask, 1 on the assistant's tokens."""
+    def _tokens(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+                vision: VisionInputs | None = None) -> tuple[list[int], list[int]]:
+        """Token ids of the whole conversation and a 0/1 mask, 1 on the assistant's tokens; each image's
+        placeholder expanded by `vision`'s grids."""
         tokenizer = self.tokenizer
         if not self.use_template:
             if [m["role"] for m in messages] != ["user", "assistant"]:
@@ -172,13 +205,14 @@ class ConversationEncoder:
         mask: list[int] = []
         for index, message in enumerate(messages):
             if message["role"] == "assistant":  # its header belongs to the prompt, as at generation time
-                ids, mask = self._extend(ids, mask, messages[:index], 0, True, tools)
+                ids, mask = self._extend(ids, mask, messages[:index], 0, True, tools, vision)
             ids, mask = self._extend(ids, mask, messages[: index + 1], int(message["role"] == "assistant"), False,
-                                     tools)
+                                     tools, vision)
         return ids, mask
 
     def _extend(self, ids: list[int], mask: list[int], messages: list[dict[str, str]], value: int,
-                generation_prompt: bool = False, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+                generation_prompt: bool = False, tools: list[dict] | None = None,
+                vision: VisionInputs | None = None) -> tuple[list[int], list[int]]:
         if not messages:
             return ids, mask
         try:
@@ -186,6 +220,8 @@ class ConversationEncoder:
                                                       tokenize=False, **({"tools": tools} if tools else {}))
         except Exception as err:  # jinja or the template's own raise_exception
             raise DataError(f"the chat template cannot render the row ({_first_line(err)})") from None
+        if vision is not None:
+            text = self.processor.expand(text, vision)
         longer = self.tokenizer.encode(text, add_special_tokens=False)
         if longer[: len(ids)] != ids:
             raise DataError("the chat template does not render a conversation as a token prefix of its "

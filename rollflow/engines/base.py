@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from rollflow.data.vision import VisionInputs
 from rollflow.errors import EngineError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -74,9 +75,16 @@ def decoding_failed(engine: str, cause: BaseException) -> EngineError:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt to complete `params.n` times.
+
+    `vision`: the prompt's images as the processor made them (`rollflow.data.vision.VisionInputs`), for a
+    vision-language model; `prompt_ids` then hold each image's placeholder tokens, already expanded.
+    """
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = SamplingParams()
+    vision: VisionInputs | None = None
 
 
 @dataclass

@@ -52,7 +52,16 @@ from rollflow.engines.kv_batch import DecodeBatch, repeat_requests
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
 from rollflow.engines.sampling import sample_tokens
-from rollflow.models import cache_keyword, eos_token_ids, load_causal_lm, load_tokenizer, use_cpu_attention
+from rollflow.data.vision import stack_vision
+from rollflow.models import (
+    cache_keyword,
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+    use_cpu_attention,
+    uses_mrope,
+    vision_inputs,
+)
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the engine keeps a set of them
@@ -120,6 +129,7 @@ class HFEngine:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device)
         self._cache_kwarg = cache_keyword(self.model)
+        self.mrope = uses_mrope(self.model)  # Qwen2-VL's family: three-axis positions, images in the prompt
         if self.device.type == "cpu":
             use_cpu_attention(self.model)
         tokenizer = load_tokenizer(model_path, trust_remote_code)
@@ -326,7 +336,8 @@ class HFEngine:
             pending.unfinished = pending.request.params.n
             pending.cache_epoch = self.prefix_cache.epoch
             pending.admitted = time.perf_counter()
-        hits = [self.prefix_cache.lookup(p.request.prompt_ids) for p in admitted]
+        # A multimodal rotary model's positions depend on the images of the whole prompt: no prefix reuse.
+        hits = [None if self.mrope else self.prefix_cache.lookup(p.request.prompt_ids) for p in admitted]
         for pending, hit in zip(admitted, hits):
             pending.reused_tokens = hit.length if hit else 0
             pending.prefill_tokens = len(pending.request.prompt_ids) - pending.reused_tokens
@@ -335,11 +346,22 @@ class HFEngine:
                                         self.pad_id, self.device)  # [R, S] the tokens to prefill
         # [R, P] attention (P = S + the longest reused prefix), [R, S] positions, that prefix's cache or None
         attention, positions, cache = with_prefixes(hits, attention)
-        logits, cache = self._forward(input_ids, attention, positions, cache)  # [R, V]
+        rope_deltas = None
+        if self.mrope:  # [3, R, S] positions from the prompts' images (and their pixels), [R] deltas
+            inputs, rope_deltas = vision_inputs(self.model, input_ids, attention,
+                                                stack_vision([p.request.vision for p in admitted]))
+        elif any(p.request.vision is not None for p in admitted):
+            raise ValueError("a request has images, but the engine's model is a text-only model")
+        else:
+            inputs = {"position_ids": positions}
+        logits, cache = self._forward(input_ids, attention, inputs, cache)  # [R, V]
+        samples = [p.request.params.n for p in admitted]
         # [N, V], [N, P]: each sample its own row of its request's prefill
-        logits, attention = repeat_requests(cache, logits, attention, [p.request.params.n for p in admitted])
+        logits, attention = repeat_requests(cache, logits, attention, samples)
+        if rope_deltas is not None:
+            rope_deltas = rope_deltas.repeat_interleave(torch.tensor(samples, device=rope_deltas.device))  # [N]
         self.stats["prefills"] += 1
-        joining = DecodeBatch.build(rows, logits, cache, attention, self.eos_ids, self.generator)
+        joining = DecodeBatch.build(rows, logits, cache, attention, self.eos_ids, self.generator, rope_deltas)
         if batch is None:
             self.stats["waves"] += 1
             return joining
@@ -379,14 +401,20 @@ class HFEngine:
         """Run the model on every row's last sampled token: the next token's logits, one more cache column."""
         batch.attention = torch.cat([batch.attention, batch.active.long().unsqueeze(1)], dim=1)  # [B, L + 1]
         self.stats["decode_steps"] += 1
+        positions = batch.positions.unsqueeze(1)  # [B, 1]
+        if self.mrope:  # a generated token is text: the same position on all three axes
+            positions = (positions + batch.rope_deltas.unsqueeze(1)).unsqueeze(0).expand(3, -1, -1)  # [3, B, 1]
         batch.logits, batch.cache = self._forward(batch.last_tokens.unsqueeze(1), batch.attention,
-                                                  batch.positions.unsqueeze(1), batch.cache)
+                                                  {"position_ids": positions}, batch.cache)
         batch.positions += batch.active  # finished rows keep their last position (never past their own)
 
     @torch.no_grad()
-    def _forward(self, input_ids, attention, positions, cache):
-        output = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
+    def _forward(self, input_ids, attention, inputs: dict, cache):
+        """One forward with the cache; `inputs`: `position_ids`, or a vision-language prefill's
+        (`vision_inputs`). Returns ([N, V] last logits, the cache)."""
+        inputs = {"input_ids": input_ids, **inputs}  # a prefill's images replace the ids by embeddings
+        output = self.model(attention_mask=attention, use_cache=True, logits_to_keep=1, **inputs,
+                            **{self._cache_kwarg: cache})
         next_cache = getattr(output, "cache", None)
         if next_cache is None:
             next_cache = output.past_key_values
@@ -420,6 +448,7 @@ class HFEngine:
         out.policy_versions = batch.versions[i, :length].tolist()
         out.finish_reason = reason
         if (reason != "abort" and row.params.n == 1 and batch.mergeable and self.prefix_cache.enabled
+                and not self.mrope
                 and row.pending.cache_epoch == self.prefix_cache.epoch):  # KV all from the current weights
             # The last sampled token was never fed: the cache holds the prompt and the tokens before it.
             self.prefix_cache.insert(row.pending.request.prompt_ids + out.token_ids[:-1],

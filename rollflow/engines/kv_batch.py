@@ -51,6 +51,7 @@ class DecodeBatch:
     last_tokens: torch.Tensor  # [B] each row's last sampled token, until it is fed to the model
     attention: torch.Tensor  # [B, L] 1 where the cache column holds one of the row's tokens
     positions: torch.Tensor  # [B] position id of the token each row feeds next
+    rope_deltas: torch.Tensor  # [B] multimodal rotary models: a row's text position is positions + delta
     lengths: torch.Tensor  # [B] tokens sampled so far (the output index of the next one)
     active: torch.Tensor  # [B] still generating
     temperatures: torch.Tensor  # [B] (1 for greedy rows)
@@ -71,15 +72,17 @@ class DecodeBatch:
     any_min_tokens: bool = False
 
     # Per-row tensors that rows are selected from and concatenated along their first dim.
-    ROW_TENSORS = ("logits", "last_tokens", "positions", "lengths", "active", "temperatures", "greedy",
+    ROW_TENSORS = ("logits", "last_tokens", "positions", "rope_deltas", "lengths", "active", "temperatures", "greedy",
                    "limits", "min_tokens")
     # Per-row tensors whose second dim is padded on the right (with this value) when batches merge.
     RIGHT_PADDED = {"stop_ids": -1, "tokens": 0, "logprobs": 0.0, "versions": 0, "uniforms": 0.0}
 
     @classmethod
     def build(cls, rows: list[BatchRow], logits: torch.Tensor, cache, attention: torch.Tensor,
-              eos_ids: list[int], engine_generator: torch.Generator) -> DecodeBatch:
-        """The batch of freshly prefilled `rows`: [N, V] logits, [N, P] attention of their prompts."""
+              eos_ids: list[int], engine_generator: torch.Generator,
+              rope_deltas: torch.Tensor | None = None) -> DecodeBatch:
+        """The batch of freshly prefilled `rows`: [N, V] logits, [N, P] attention of their prompts, and for a
+        multimodal rotary model the [N] rope deltas of their prefill (`rollflow.models.vision_inputs`)."""
         device = logits.device
         stops = [sorted(set(eos_ids) | set(row.params.stop_token_ids)) for row in rows]
         stop_ids = torch.full((len(rows), max(1, max(len(s) for s in stops))), -1, dtype=torch.long)
@@ -91,6 +94,8 @@ class DecodeBatch:
         batch = cls(rows=rows, cache=cache, mergeable=is_mergeable(cache),
                     logits=logits, last_tokens=torch.zeros(len(rows), dtype=torch.long, device=device),
                     attention=attention, positions=attention.sum(1),
+                    rope_deltas=(torch.zeros(len(rows), dtype=torch.long, device=device) if rope_deltas is None
+                                 else rope_deltas.to(device)),
                     lengths=torch.zeros(len(rows), dtype=torch.long, device=device),
                     active=torch.ones(len(rows), dtype=torch.bool, device=device),
                     temperatures=torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures),

@@ -10,7 +10,9 @@ step 11 of 12.
 3. every row of `data.train` and `data.eval` (or of each domain's `train` and `eval`, `data.domains`),
    encoded up front (`encode_prompts`): a null, empty or non-string prompt, characters the tokenizer cannot
    represent, a prompt longer than `data.max_prompt_tokens` or one that leaves no room for the response in
-   the model's context, each named by dataset and 1-based row number;
+   the model's context, each named by dataset and 1-based row number; rows with images through the model's
+   processor (`vision_processor`): an image that cannot be read, or images for a text-only model, is one
+   line naming the row;
 4. the columns the rewards declared (`rollflow.rewards.needs_columns`) in every row, a domain's rows against
    its own rewards (`check_reward_columns`);
 5. thread counts against the machine's cores (`resource_warnings`, lines to print, not errors).
@@ -25,6 +27,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
@@ -38,7 +41,14 @@ from rollflow.data.prompts import (
 )
 from rollflow.data.seeds import derive_seed
 from rollflow.errors import ConfigError, DataError
-from rollflow.models import check_model_files, load_model_config, load_tokenizer
+from rollflow.data.vision import load_vision_processor, resolve_image_paths
+from rollflow.models import (
+    check_model_files,
+    is_vision_language,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from rollflow.rewards.registry import required_columns, resolve_reward
 
 # Model config attributes that hold the context length, by model family (the first one present counts).
@@ -84,7 +94,9 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     check_generation_limits(config, context)
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     data = config.data
-    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens)
+    encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens,
+                            processor=vision_processor(model.path, model_config, tokenizer, model.trust_remote_code),
+                            image_key=data.image_key)
     prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
     limits = {"train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
               "eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
@@ -93,6 +105,7 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
             continue
         source = dataset_source(key, dataset)
         rows = load_dataset(dataset, data.prompt_key, data.answer_key)
+        rows = resolve_image_paths(rows, data.image_key, image_directory(dataset))
         if domain is not None:
             for row in rows:
                 row["domain"] = domain  # picks the domain's rewards and names its metrics
@@ -104,6 +117,25 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
                                    for kind in ("train", "eval"))
     by_domain = {domain: part for domain, part in prompts["train"].items() if domain is not None}
     return CheckedInputs(tokenizer, encoder, train_prompts, eval_prompts, warnings, by_domain)
+
+
+def vision_processor(path: str, model_config: Any, tokenizer, trust_remote_code: bool = False):
+    """The `VisionProcessor` of a vision-language model (`is_vision_language`), None for a text model.
+
+    Raises:
+        DataError: the model has no image processor or no vision tokens (one line).
+    """
+    if not is_vision_language(model_config):
+        return None
+    return load_vision_processor(resolve_model_path(path), tokenizer, trust_remote_code)
+
+
+def image_directory(dataset: DatasetConfig) -> Path | None:
+    """Where a dataset's relative image paths are found: its file's directory (None for a built-in task)."""
+    if dataset.path is None:
+        return None
+    path = Path(dataset.path).expanduser()
+    return path.parent if path.is_file() else path if path.is_dir() else None
 
 
 def configured_datasets(data: DataConfig) -> list[tuple[str, str, str | None, DatasetConfig | None]]:

@@ -22,14 +22,17 @@ from rollflow.data.sample import Sample
 from rollflow.data.supervised import ConversationEncoder
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
+from rollflow.data.vision import resolve_image_paths
 from rollflow.pipelines.preflight import (
     check_represented,
     check_reward_columns,
     context_length,
     dataset_source,
     encode_prompts,
+    image_directory,
     resource_warnings,
     reward_columns,
+    vision_processor,
 )
 from rollflow.registry import Registry
 
@@ -77,9 +80,12 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     if ROW_FORMATS[config.pipeline].teacher:
         check_same_vocabulary(tokenizer, load_tokenizer(reference_path, model.trust_remote_code), reference_path)
-    context = context_length(load_model_config(model.path, model.trust_remote_code))
+    model_config = load_model_config(model.path, model.trust_remote_code)
+    context = context_length(model_config)
+    processor = vision_processor(model.path, model_config, tokenizer, model.trust_remote_code)
     encoder = ConversationEncoder(tokenizer, data.messages_key, data.prompt_key, data.response_key,
-                                  data.apply_chat_template, min(data.max_tokens, context or data.max_tokens))
+                                  data.apply_chat_template, min(data.max_tokens, context or data.max_tokens),
+                                  processor, data.image_key)
     found: dict[str, EncodedDataset] = {}
     warnings: list[str] = []
     for key, dataset in (("data.train", data.train), ("data.validation", data.validation),
@@ -87,12 +93,14 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
         if dataset is None:
             continue
         rows = load_dataset(dataset, data.prompt_key, data.answer_key, required=())
+        rows = resolve_image_paths(rows, data.image_key, image_directory(dataset))
         found[key] = encode_dataset(encoder, rows, dataset_source(key, dataset), config)
         warnings += [found[key].warning] if found[key].warning else []
     if data.validation_fraction is not None:
         found["data.train"], found["data.validation"] = carve_validation(found["data.train"], data.validation_fraction,
                                                                          config.seed, data.train)
-    prompts = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_tokens)
+    prompts = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_tokens, processor,
+                            data.image_key)
     greedy = {key: greedy_prompts(prompts, found[key], dataset_source(key, getattr(data, key[5:]) or data.train),
                                   config, context)
               for key in ("data.eval", "data.validation") if config.eval.greedy_accuracy and key in found}

@@ -187,8 +187,9 @@ class Play:
         return self.core.settings.deterministic
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, worker: int | None = None,
-                       order: tuple = (), seed_key: tuple | None = None) -> tuple[Completion, int]:
-        """`params.n` completions of `prompt_ids`. With `seed_key`, the request samples with
+                       order: tuple = (), seed_key: tuple | None = None,
+                       vision: Any = None) -> tuple[Completion, int]:
+        """`params.n` completions of `prompt_ids` (with its images, `vision`). With `seed_key`, the request samples with
         `derive_seed(run seed, *seed_key)`. In `resubmit` mode an unfinished sample that a weight update
         aborted continues from its tokens (same worker, seeded by `seed_key` + its slot and length) and comes
         back joined."""
@@ -196,17 +197,17 @@ class Play:
             params = replace(params, seed=derive_seed(self.seed, *seed_key))
         completion, worker = await self.core.router.generate(
             self.tag, prompt_ids, params, worker=worker, owner=self.group,
-            round=self.round, order=order, on_dispatch=self._dispatched)
+            round=self.round, order=order, on_dispatch=self._dispatched, vision=vision)
         self.core.count_tokens(completion.outputs)
         if self.core.settings.partial_rollout != "resubmit" or self.evaluating:
             return completion, worker
         outputs = list(completion.outputs)
-        await asyncio.gather(*(self._continue(outputs, slot, prompt_ids, params, worker, seed_key)
+        await asyncio.gather(*(self._continue(outputs, slot, prompt_ids, params, worker, seed_key, vision)
                                for slot, output in enumerate(outputs) if output.finish_reason == "abort"))
         return Completion(completion.request_id, outputs, completion.metadata), worker
 
     async def _continue(self, outputs: list[CompletionOutput], slot: int, prompt_ids: list[int],
-                        params: SamplingParams, worker: int, seed_key: tuple | None) -> None:
+                        params: SamplingParams, worker: int, seed_key: tuple | None, vision: Any = None) -> None:
         """Resubmit sample `slot` as its prompt plus its tokens so far until it ends (or the group is cut or the
         core closes)."""
         while outputs[slot].finish_reason == "abort" and not (self.group.cut or self.core.closing):
@@ -222,7 +223,7 @@ class Play:
             self.core.resubmitted += 1
             completion, _ = await self.core.router.generate(
                 self.tag, prompt_ids + prefix.token_ids, more_params, worker=worker,
-                owner=self.group)
+                owner=self.group, vision=vision)
             more = completion.outputs[0]
             self.core.count_tokens([more])
             outputs[slot] = CompletionOutput(prefix.token_ids + more.token_ids, prefix.logprobs + more.logprobs,

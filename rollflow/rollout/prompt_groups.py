@@ -62,7 +62,8 @@ class PromptGroups:
         params = self.params_for(prompt, self.params)
         seed_key = (*play.seed_key, group.index) if play.deterministic else None
         try:
-            completion, _ = await play.generate(prompt.token_ids, params, order=(group.index,), seed_key=seed_key)
+            completion, _ = await play.generate(prompt.token_ids, params, order=(group.index,), seed_key=seed_key,
+                                                vision=prompt.vision)
         finally:
             play.leave()
         group.samples = self.unscored_samples(prompt, completion, group.group_id)
@@ -122,6 +123,7 @@ class PromptGroups:
             row=prompt.row,
             domain=str(prompt.row.get("domain", "default")),
             metadata={"request_id": completion.request_id, "slot": slot, **completion.metadata},
+            vision=prompt.vision,
         ) for slot, output in enumerate(completion.outputs)]
 
     def batch_metrics(self, samples: list[Sample], ended: collections.Counter) -> dict[str, float]:
@@ -134,10 +136,10 @@ class PromptGroups:
         return metrics
 
     def key_state(self, key: EncodedPrompt) -> dict:
-        return dataclasses.asdict(key)
+        return key.state()
 
     def load_key(self, state: dict) -> EncodedPrompt:
-        return EncodedPrompt(**state)
+        return EncodedPrompt.from_state(state)
 
     def for_eval(self, params: SamplingParams) -> PromptGroups:
         """The eval program: the same rewards with `params` (greedy) for every prompt, no filter."""

@@ -79,6 +79,7 @@ class _Waiting:
     owner: Any
     future: asyncio.Future
     request_id: str = ""
+    vision: Any = None  # the prompt's images (`rollflow.data.vision.VisionInputs`)
 
 
 class EngineRouter:
@@ -112,7 +113,7 @@ class EngineRouter:
 
     async def generate(self, tag: str, prompt_ids: list[int], params: SamplingParams, *, worker: int | None = None,
                        owner: Any = None, round: Round | None = None, order: tuple = (),
-                       on_dispatch: Callable[[], None] | None = None) -> tuple[Completion, int]:
+                       on_dispatch: Callable[[], None] | None = None, vision: Any = None) -> tuple[Completion, int]:
         """Generate `params.n` completions of `prompt_ids`. Returns (the completion, the worker that made it).
 
         Args:
@@ -122,10 +123,12 @@ class EngineRouter:
             round: send with the other members of this round (see `Round`).
             order: the request's place in its round.
             on_dispatch: called when the request leaves for its worker.
+            vision: the prompt's images (`VisionInputs`), for a vision-language model.
         """
         if round is not None:
             return await self._in_round(round, _Waiting(tag, order, prompt_ids, params, worker, owner,
-                                                        asyncio.get_running_loop().create_future()), on_dispatch)
+                                                        asyncio.get_running_loop().create_future(),
+                                                        vision=vision), on_dispatch)
         while True:
             open_workers = [w for w in range(len(self.workers)) if self.requests[w] < self.max_in_flight]
             if worker is None and open_workers:
@@ -134,7 +137,7 @@ class EngineRouter:
             if worker is not None and worker in open_workers:
                 break
             await self._capacity()
-        request = GenerationRequest(self._new_id(tag), prompt_ids, params)
+        request = GenerationRequest(self._new_id(tag), prompt_ids, params, vision)
         self.load[worker] += params.n
         self.requests[worker] += 1
         self.outstanding[request.request_id] = (worker, owner)
@@ -190,7 +193,7 @@ class EngineRouter:
             for member in batch:
                 member.request_id = self._new_id(member.tag)
                 self.outstanding[member.request_id] = (worker, member.owner)
-                requests.append(GenerationRequest(member.request_id, member.prompt_ids, member.params))
+                requests.append(GenerationRequest(member.request_id, member.prompt_ids, member.params, member.vision))
             asyncio.ensure_future(self._send_batch(worker, batch, requests))
 
     async def _send_batch(self, worker: int, batch: list[_Waiting], requests: list[GenerationRequest]) -> None:

@@ -100,6 +100,7 @@ def trainer_settings(config, **overrides) -> TrainerSettings:
         max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
         max_response_length=rollout.max_new_tokens if rollout is not None else None,
         device=torch_device(config), on_nonfinite=train.on_nonfinite,
+        freeze_vision_tower=getattr(config.model, "freeze_vision_tower", False),
     )
     return TrainerSettings(**{**settings, **overrides})
 

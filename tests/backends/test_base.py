@@ -22,7 +22,7 @@ def test_settings_hold_every_shared_constructor_field_with_its_default():
     assert SETTINGS_FIELDS == {field.name for field in dataclasses.fields(TrainerSettings)} == {
         "model_path", "dtype", "lr", "betas", "weight_decay", "warmup_steps", "max_grad_norm", "micro_batch_size",
         "trainable", "lr_schedule", "total_steps", "trust_remote_code", "value_head", "max_response_length",
-        "lora", "device", "on_nonfinite"}
+        "lora", "device", "on_nonfinite", "freeze_vision_tower"}
     assert (settings.dtype, settings.lr, settings.betas, settings.micro_batch_size, settings.trainable,
             settings.lr_schedule, settings.lora, settings.device, settings.on_nonfinite) == (
         "float32", 1e-5, (0.9, 0.999), 32, True, "constant", None, None, "stop")
