@@ -177,14 +177,14 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _new_model(args: argparse.Namespace) -> int:
-    from rollflow.fresh_model import save_fresh_model
+    from rollflow.fresh_model import save_fresh_model, save_fresh_vl_model
 
     given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
              "max_positions": args.max_positions}
     # Sizes left out take `fresh_qwen2_config`'s defaults, so they are written down in one place.
-    num_params = save_fresh_model(args.out, seed=args.seed,
-                                  **{name: value for name, value in given.items() if value is not None})
+    save = save_fresh_vl_model if args.vl else save_fresh_model
+    num_params = save(args.out, seed=args.seed, **{name: value for name, value in given.items() if value is not None})
     print(f"model directory: {args.out}")
     print(f"parameters: {num_params:,}")
     return 0
@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--kv-heads", type=int, help="key-value heads; must divide --heads")
     new.add_argument("--intermediate-size", type=int, help="MLP width")
     new.add_argument("--max-positions", type=int, help="context length in tokens")
+    new.add_argument("--vl", action="store_true",
+                     help="a Qwen2-VL vision-language model instead (the same language model sizes, a 2-block "
+                     "vision tower, 32x32 images as 16 image tokens, and its image processor)")
     new.set_defaults(handler=_new_model)
     from rollflow.envs.play import add_play_parser  # `rollflow env play ENV_ID`
 
