@@ -136,6 +136,12 @@ class DomainConfig(Strict):
                     "0: off.")
 
 
+# one text for every data section's `image_key`
+IMAGE_KEY_DOC = ("The column holding a row's images, for a vision-language model (Qwen2-VL's family): a file path "
+                 "(relative to the dataset file's directory, or the working directory), a `datasets` image, or a "
+                 "list of them. The prompt places them where it says `<image>`, else before its text. A row "
+                 "without the column is text only; rows with images for a text-only model are a data error.")
+
 class DataConfig(Strict):
     train: DatasetConfig | None = Field(
         default=DatasetConfig(task="add2", split="train"),
@@ -156,13 +162,7 @@ class DataConfig(Strict):
                     "`_`, at most 64 characters, not `mean`, `std` or `reward`. `null`: one dataset, "
                     "`data.train`.")
     prompt_key: str = Field(default="prompt", description="The column holding the user message.")
-    image_key: str = Field(
-        default="images",
-        description="The column holding a row's images, for a vision-language model (Qwen2-VL's family): a file "
-                    "path (relative to the dataset file's directory, or the working directory), a `datasets` "
-                    "image, or a list of them. The prompt places them where it says `<image>`, else before its "
-                    "text. A row without the column is text only; rows with images for a text-only model are a "
-                    "data error.")
+    image_key: str = Field(default="images", description=IMAGE_KEY_DOC)
     answer_key: str = Field(
         default="answer",
         description="The column holding the reference answer; rewards receive it as `answer`, whatever the "

@@ -16,7 +16,7 @@ from rollflow.algorithms import check_hyperparams
 from rollflow.algorithms.distillation import DIVERGENCES
 from rollflow.algorithms.preference import PREFERENCE_LOSSES
 from rollflow.config.rlvr import RewardConfig, RewardFunctionConfig
-from rollflow.config.sections import DatasetConfig, RunConfigBase, Strict
+from rollflow.config.sections import IMAGE_KEY_DOC, DatasetConfig, RunConfigBase, Strict
 from rollflow.config.values import plain_group_by_columns
 
 
@@ -47,13 +47,7 @@ class SupervisedDataConfig(Strict):
                     "assistant turns only (their content and the end-of-turn tokens the chat template adds). A "
                     "row without it is read as a prompt / response row.")
     prompt_key: str = Field(default="prompt", description="The column holding the user message.")
-    image_key: str = Field(
-        default="images",
-        description="The column holding a row's images, for a vision-language model (Qwen2-VL's family): a file "
-                    "path (relative to the dataset file's directory, or the working directory), a `datasets` "
-                    "image, or a list of them. The prompt places them where it says `<image>`, else before its "
-                    "text. A row without the column is text only; rows with images for a text-only model are a "
-                    "data error.")
+    image_key: str = Field(default="images", description=IMAGE_KEY_DOC)
     response_key: str = Field(
         default="response",
         description="The column holding the assistant's response (what SFT trains on and distillation scores).")
