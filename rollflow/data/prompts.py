@@ -21,8 +21,8 @@ from rollflow.data.vision import (
     VisionInputs,
     VisionProcessor,
     described_images,
+    encodable_images,
     image_messages,
-    row_images,
     vision_from_state,
     vision_state,
 )
@@ -205,16 +205,10 @@ class PromptEncoder:
         return self._checked(row, text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _encode_with_images(self, row: Row) -> EncodedPrompt:
-        if self.processor is None:
-            raise DataError(f"the row has images (column {self.image_key!r}), but the model is text-only: use a "
-                            "vision-language model (Qwen2-VL's family), or drop the column")
-        images = row_images(row, self.image_key)
+        images = encodable_images(row, self.image_key, self.processor, self.use_template)
         prompt = row[self.prompt_key]
         if not isinstance(prompt, str):
             raise DataError("a prompt with images must be a string (its images go where it says <image>)")
-        if not self.use_template:
-            raise DataError("a prompt with images needs the model's chat template (data.apply_chat_template: "
-                            "true) to place its images")
         text = self.tokenizer.apply_chat_template(image_messages(prompt, len(images)), add_generation_prompt=True,
                                                   tokenize=False)
         ids, vision = self.processor(text, images)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from rollflow.data.sample import Sample
-from rollflow.data.vision import VisionInputs, VisionProcessor, described_images, image_messages, row_images
+from rollflow.data.vision import VisionInputs, VisionProcessor, described_images, encodable_images, image_messages
 from rollflow.errors import DataError
 
 Item = TypeVar("Item")
@@ -123,12 +123,7 @@ class ConversationEncoder:
         Raises:
             DataError: a text-only model, an unreadable image, no user turn, markers that do not match.
         """
-        if self.processor is None:
-            raise DataError(f"the row has images (column {self.image_key!r}), but the model is text-only: use a "
-                            "vision-language model (Qwen2-VL's family), or drop the column")
-        if not self.use_template:
-            raise DataError("a row with images needs the model's chat template (data.apply_chat_template: true)")
-        images = row_images(row, self.image_key)
+        images = encodable_images(row, self.image_key, self.processor, self.use_template)
         first_user = next((i for i, message in enumerate(messages) if message["role"] == "user"), None)
         if first_user is None:
             raise DataError("the row has images but no user turn to hold them")

@@ -133,6 +133,22 @@ def row_images(row: dict, image_key: str, base_dir: Path | None = None) -> list:
     return [read_image(item, base_dir) for item in values]
 
 
+def encodable_images(row: dict, image_key: str, processor: VisionProcessor | None, use_template: bool) -> list:
+    """The images of a row that an encoder (prompt or conversation) is to render with the model's chat template.
+
+    Raises:
+        DataError: the model is text-only (no `processor`), there is no chat template to place the images, or
+            an image cannot be read; one line each.
+    """
+    if processor is None:
+        raise DataError(f"the row has images (column {image_key!r}), but the model is text-only: use a "
+                        "vision-language model (Qwen2-VL's family), or drop the column")
+    if not use_template:
+        raise DataError("a row with images needs the model's chat template (data.apply_chat_template: true) to "
+                        "place its images")
+    return row_images(row, image_key)
+
+
 def described_images(row: dict, image_key: str) -> dict:
     """The row with its image objects (PIL images, bytes, `datasets` images) replaced by short descriptions
     (`<image 32x32>`) and its paths kept: a row that JSON holds."""
