@@ -61,7 +61,7 @@ def wrap_with_lora(model: torch.nn.Module, lora: dict[str, Any] | LoraConfig) ->
 
     # A vision-language model's adapters go on its language model only; its vision tower trains in full or
     # not at all (`TrainerSettings.freeze_vision_tower`).
-    vision = [name for name, _ in model.named_modules() if name.split(".")[-1] in VISION_MODULES]
+    vision = any(name.split(".")[-1] in VISION_MODULES for name, _ in model.named_modules())
     peft_config = peft.LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=settings.target_modules, bias="none", task_type="CAUSAL_LM",
