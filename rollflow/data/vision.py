@@ -24,11 +24,12 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollflow.errors import DataError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI imports this before it may import torch
+    import torch
 
 IMAGE_MARKER = "<image>"  # where a prompt's text places its next image
 IMAGE_PAD = "<|image_pad|>"
@@ -61,6 +62,8 @@ class VisionInputs:
 def stack_vision(items: list[VisionInputs | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The vision inputs of a batch's rows in row order: ([patches, D] pixel values, [images, 3] grids), the
     order the model matches them to the image tokens of its input ids in; None when no row has images."""
+    import torch
+
     present = [item for item in items if item is not None and item.num_images]
     if not present:
         return None
@@ -185,6 +188,8 @@ def vision_state(vision: VisionInputs) -> dict:
 def vision_from_state(state: dict) -> VisionInputs:
     """What `vision_state` wrote, back as `VisionInputs`."""
     import base64
+
+    import torch
 
     images = [read_image(base64.b64decode(text)) for text in state["images"]]
     return VisionInputs(torch.tensor(state["pixel_values"], dtype=torch.float32),
