@@ -62,7 +62,11 @@ def test_colocated_engines_behind_the_router_abort_over_provisioned_groups(ray_s
     assert len(plan["actor_infer"]) == 2
     steps = _rows(config.run_dir)[1:]
     assert sum(r["rollout/groups/aborted"] for r in steps) > 0  # spares cut once enough groups finished
-    assert [r["rollout/long_round"] for r in steps] == [0, 0, 1]  # the aborted prompts' long round
+    # Step 3 is a long round if a step before cut a group still generating (its prompt waits in the long
+    # queue). Whether one was still generating when the batch filled is vLLM's timing: the spares of a step
+    # often all finish in the same engine step as the batch's last group, and the leftovers count as aborted
+    # but go back to the ordinary queue (tests/rollout covers the long round itself).
+    assert [r["rollout/long_round"] for r in steps] == [0, 0, float(steps[1]["rollout/long_queue"] > 0)]
     assert all(r["offload/actor_infer_seconds"] >= 0 and r["sync/version"] == r["step"] for r in steps)
 
 
