@@ -83,7 +83,16 @@ def read_image(value: Any, base_dir: Path | None = None):
         if isinstance(value, Image.Image):
             image = value
         elif isinstance(value, dict) and (value.get("bytes") or value.get("path")):  # a `datasets` Image
-            return read_image(value["bytes"] if value.get("bytes") else value["path"], base_dir)
+            data = value.get("bytes")
+            if isinstance(data, str):  # `read_rows` hands a table's bytes out as base64 text (JSON holds it)
+                import base64
+                import binascii
+
+                try:
+                    data = base64.b64decode(data, validate=True)
+                except binascii.Error:
+                    raise DataError("an image's 'bytes' is text that is not base64") from None
+            return read_image(data if data else value["path"], base_dir)
         elif isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
         elif isinstance(value, (str, Path)):
