@@ -59,7 +59,15 @@ class TrainingBackendBase:
         self.forward = response_values if settings.value_head else model_logits
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.tokenizer = load_tokenizer(settings.model_path, settings.trust_remote_code)
+        self.image_processor = _image_processor(settings, model)
         self.resident = True
+
+    def save_processing(self, path: Path) -> None:
+        """The tokenizer, and a vision-language model's image processor, into the model directory `path`, so
+        that a checkpoint loads as the model it trains (a VLM's `preprocessor_config.json` with it)."""
+        self.tokenizer.save_pretrained(path)
+        if self.image_processor is not None:
+            self.image_processor.save_pretrained(path)
 
     # ---- what each backend supplies -------------------------------------------------------------------
 
@@ -272,3 +280,17 @@ def _weights_norm(parameters: list[torch.Tensor]) -> float:
 def _reduced(norm: torch.Tensor) -> float:
     """A norm over parameters as a float; under FSDP2 it is a DTensor, reduced over the ranks here."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+
+def _image_processor(settings: TrainerSettings, model: torch.nn.Module):
+    """The image processor of a vision-language model (None for a text model), for its checkpoints."""
+    from rollflow.models import is_vision_language, resolve_model_path
+
+    config = getattr(model, "config", None)
+    if config is None or not is_vision_language(config):
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(resolve_model_path(settings.model_path),
+                                              trust_remote_code=settings.trust_remote_code)

@@ -273,7 +273,7 @@ class FSDP2Backend(TrainingBackendBase):
                 buffers = {name for name, _ in self.model.named_buffers()}
                 state = {name: tensor for name, tensor in state.items() if name in parameters | buffers}
                 self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(path)
+            self.save_processing(path)
         if self.optimizer is not None:
             dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
                      checkpoint_id=str(path / OPTIMIZER_DIR))

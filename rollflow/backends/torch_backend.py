@@ -93,7 +93,7 @@ class TorchBackend(TrainingBackendBase):
             self.model.save(path)
         else:
             self.model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        self.save_processing(path)
         state = {
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,

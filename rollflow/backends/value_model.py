@@ -37,7 +37,12 @@ class ValueModel(torch.nn.Module):
     def from_pretrained(cls, model_path: str, dtype: str = "float32",
                         trust_remote_code: bool = False) -> ValueModel:
         """The backbone of the causal LM at `model_path` (bundled name, directory or hub id) + a new head."""
+        from rollflow.errors import ConfigError
+        from rollflow.models import is_vision_language
+
         causal_lm = load_causal_lm(model_path, dtype, trust_remote_code)
+        if is_vision_language(causal_lm.config):  # its forward reads token ids: the values would not see images
+            raise ConfigError("a value model (the critic) of a vision-language model is not supported")
         return cls(causal_lm.base_model, causal_lm.config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

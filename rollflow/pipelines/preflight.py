@@ -94,9 +94,13 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     check_generation_limits(config, context)
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     data = config.data
+    processor = vision_processor(model.path, model_config, tokenizer, model.trust_remote_code)
+    if processor is not None and config.algorithm.needs_critic:
+        raise ConfigError(f"algorithm.advantage={config.algorithm.advantage} needs a critic (a value model), and "
+                          "a vision-language model's critic is not supported: its values would not see the "
+                          "images; use an advantage without one (grpo, rloo, reinforce_pp)")
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens,
-                            processor=vision_processor(model.path, model_config, tokenizer, model.trust_remote_code),
-                            image_key=data.image_key)
+                            processor=processor, image_key=data.image_key)
     prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
     limits = {"train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
               "eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
