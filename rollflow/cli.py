@@ -273,12 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
     evaluate.set_defaults(handler=_eval, prestart=_prestart_for_eval)
 
-    build = commands.add_parser("build-tiny-model",
-                                help="rebuild the bundled tiny model: new-model, then SFT by examples/sft_tiny.yaml")
+    build = commands.add_parser("build-tiny-model", help="rebuild the bundled tiny model: new-model, then SFT by "
+                                "examples/sft_tiny.yaml (--vl: the tiny VLM by examples/sft_tiny_vl.yaml)")
     build.add_argument("--out", required=True, help="directory to write the model into (new or empty)")
     build.add_argument("--seed", type=int, default=0, help="weight initialization and batch order (default 0)")
-    build.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parents[1] / "examples" / "sft_tiny.yaml",
-                       help="the SFT config (default: the repository's examples/sft_tiny.yaml)")
+    build.add_argument("--recipe", type=Path, default=None,
+                       help="the SFT config (default: the repository's examples/sft_tiny.yaml, with --vl "
+                       "examples/sft_tiny_vl.yaml)")
+    build.add_argument("--vl", action="store_true",
+                       help="the tiny vision-language model (rollflow/assets/tiny-qwen2vl-count) instead")
     build.add_argument("overrides", nargs="*", help="overrides of the recipe, e.g. train.stop_at_accuracy=0.5")
     build.set_defaults(handler=_build_tiny_model)
 

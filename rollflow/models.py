@@ -17,7 +17,8 @@ import torch
 
 from rollflow.errors import ModelLoadError
 
-BUNDLED_MODELS = {"tiny": Path(__file__).parent / "assets" / "tiny-qwen2-add"}
+BUNDLED_MODELS = {"tiny": Path(__file__).parent / "assets" / "tiny-qwen2-add",
+                  "tiny-vl": Path(__file__).parent / "assets" / "tiny-qwen2vl-count"}  # count_shapes, ~40%
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A loadable model directory holds weights and a tokenizer; these are the files that count as each.
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
