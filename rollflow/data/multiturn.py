@@ -16,13 +16,22 @@ first prompt holds the template's own tool block (Qwen: the `# Tools` system mes
 answered by tool results renders them as `tool` role messages (`tool_turn`), cut from the template the same
 way: `[user, assistant, tool, ..., tool]` with placeholder contents, the text between the reply and the end
 (Qwen: `<|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>\n<|im_start|>assistant\n`).
+
+Image observations (a vision-language policy, `processor`): an observation turn's images go where its text says
+`<image>` (else before the text), as the template renders an image part (Qwen2-VL:
+`<|vision_start|><|image_pad|><|vision_end|>`), each placeholder expanded to the image's tokens by the
+processor; the turn's `VisionInputs` (`vision`) join the episode's in order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from rollflow.data.vision import VisionInputs, VisionProcessor
 
 _USER, _REPLY = "\x01USER\x01", "\x01REPLY\x01"  # placeholders no real content contains
 _TOOL = "\x01TOOL{}\x01"  # the k-th tool result's placeholder
@@ -132,10 +141,13 @@ class TurnEncoder:
         tokenizer: the policy's tokenizer.
         system_prompt: a system message before the first observation, or None.
         tools: the env's tools (JSON-schema specs) for the template's tool block, or None.
+        processor: a vision-language policy's `VisionProcessor`, for image observations; None: text only.
     """
 
-    def __init__(self, tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None,
+                 processor: VisionProcessor | None = None):
         self.tokenizer = tokenizer
+        self.processor = processor
         self.system_prompt, self.tools = system_prompt, tools or None
         self.pieces = template_pieces(tokenizer, system_prompt, self.tools)
         self.end_of_turn_ids = self.encode(self.pieces.end_of_turn)
@@ -147,27 +159,56 @@ class TurnEncoder:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def first_prompt(self, observation: str) -> list[int]:
-        """The episode's prompt: [system], the first observation as a user turn, the generation prompt."""
-        pieces = self.pieces
-        return self.encode(pieces.first_prefix + observation + pieces.user_suffix)
+    def vision(self, images: list) -> VisionInputs | None:
+        """An observation's images (PIL images, PNG bytes, paths) processed for the policy; None without images.
 
-    def observation_turn(self, observation: str, model_ids: list[int]) -> list[int]:
-        """The tokens after the model's turn `model_ids`: the rest of its end of turn, the observation as a
-        user turn and the generation prompt (none of it trained on)."""
-        return self._closing(model_ids) + self.encode(self.pieces.user_prefix + observation + self.pieces.user_suffix)
+        Raises:
+            DataError: the policy is text-only, or an image cannot be read (one line each).
+        """
+        if not images:
+            return None
+        if self.processor is None:
+            raise DataError(f"the env's observation has {len(images)} image(s), but the model is text-only: use a "
+                            "vision-language model (Qwen2-VL's family) or the env's text observations")
+        from rollflow.data.vision import read_image
+
+        return self.processor.process([read_image(image) for image in images])
+
+    def first_prompt(self, observation: str, vision: VisionInputs | None = None) -> list[int]:
+        """The episode's prompt: [system], the first observation (with its images, `vision`) as a user turn,
+        the generation prompt."""
+        pieces = self.pieces
+        return self._user_turn(pieces.first_prefix, observation, vision)
+
+    def observation_turn(self, observation: str, model_ids: list[int], vision: VisionInputs | None = None
+                         ) -> list[int]:
+        """The tokens after the model's turn `model_ids`: the rest of its end of turn, the observation (with
+        its images, `vision`) as a user turn and the generation prompt (none of it trained on)."""
+        return self._closing(model_ids) + self._user_turn(self.pieces.user_prefix, observation, vision)
+
+    def _user_turn(self, prefix: str, observation: str, vision: VisionInputs | None) -> list[int]:
+        if vision is None:
+            return self.encode(prefix + observation + self.pieces.user_suffix)
+        from rollflow.data.vision import place_images
+
+        placed = place_images(observation, vision.num_images)
+        return self.encode(self.processor.expand(prefix + placed + self.pieces.user_suffix, vision))
 
     def tool_turn(self, results: list[str], model_ids: list[int]) -> list[int]:
         """The tokens after the model's turn `model_ids` when tools answer it: the rest of its end of turn, each
         result as a `tool` message (as the template renders consecutive ones) and the generation prompt."""
         return self._closing(model_ids) + self.encode(self._tool_text(results))
 
-    def next_turn(self, seen: str | list[str], model_ids: list[int]) -> list[int]:
+    def next_turn(self, seen: str | list[str], model_ids: list[int], vision: VisionInputs | None = None
+                  ) -> list[int]:
         """`tool_turn` when the env answered with tool results (a list: `info["tool_results"]`), else
-        `observation_turn` of the observation text."""
+        `observation_turn` of the observation text (and its images, `vision`)."""
         if isinstance(seen, list):
+            if vision is not None:
+                raise DataError("an env answered with tool results and images at once; images come with an "
+                                "observation")
             return self.tool_turn(seen, model_ids)
-        return self.observation_turn(seen, model_ids)
+        return self.observation_turn(seen, model_ids, vision)
 
     def _closing(self, model_ids: list[int]) -> list[int]:
         closing = self.end_of_turn_ids

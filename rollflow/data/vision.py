@@ -37,6 +37,7 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END  # how Qwen2-VL's chat template renders an image part
 
 
 @dataclass
@@ -69,6 +70,36 @@ def stack_vision(items: list[VisionInputs | None]) -> tuple[torch.Tensor, torch.
         return None
     return (torch.cat([item.pixel_values for item in present]),  # [patches, D]
             torch.cat([item.image_grid_thw for item in present]))  # [images, 3]
+
+
+def join_vision(parts: list[VisionInputs | None]) -> VisionInputs | None:
+    """The images of several parts of one sequence (an episode's turns), in order, as one `VisionInputs`;
+    None when no part has images."""
+    import torch
+
+    present = [part for part in parts if part is not None and part.num_images]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+    return VisionInputs(torch.cat([part.pixel_values for part in present]),
+                        torch.cat([part.image_grid_thw for part in present]),
+                        [image for part in present for image in part.images])
+
+
+def place_images(text: str, count: int) -> str:
+    """`text` with each `<image>` marker replaced by an image's placeholder (`IMAGE_PLACEHOLDER`), or, without
+    markers, the `count` placeholders before it (as `image_messages` places them).
+
+    Raises:
+        DataError: the text has markers, but not one per image.
+    """
+    markers = text.count(IMAGE_MARKER)
+    if markers and markers != count:
+        raise DataError(f"the text has {markers} {IMAGE_MARKER} markers for {count} images")
+    if not markers:
+        return IMAGE_PLACEHOLDER * count + text
+    return text.replace(IMAGE_MARKER, IMAGE_PLACEHOLDER)
 
 
 def read_image(value: Any, base_dir: Path | None = None):

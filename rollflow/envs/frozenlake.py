@@ -21,7 +21,15 @@ cell it stands on (P on the goal or in a hole ends the episode). Reply with one 
 (a word anywhere in the reply, any case, or the single letter L, D, R or U). Reaching G gives reward 1; a hole
 ends the episode with 0; walking into the edge leaves you in place."""
 
+IMAGE_INSTRUCTIONS = """\
+The observation is an image of the grid, one 8x8-pixel square per cell: red you, light blue frozen ice, dark
+blue hole, green goal. Reply with one move: Left, Down, Right or Up. Reaching the goal gives reward 1; a hole
+ends the episode with 0; walking into the edge leaves you in place."""
+
 PLAYER, FROZEN, HOLE, GOAL, START = "P", "_", "O", "G", "S"
+CELL_PIXELS = 8  # one cell per image token of the bundled tiny VLM (4x4 patches merged 2x2)
+CELL_COLOURS = {PLAYER: (230, 40, 40), FROZEN: (170, 210, 250), HOLE: (20, 30, 110), GOAL: (40, 190, 70)}
+OBSERVATIONS = ("text", "image")
 MAX_MAP_DRAWS = 10_000
 _PERPENDICULAR = {"Left": ("Up", "Down"), "Right": ("Up", "Down"), "Up": ("Left", "Right"), "Down": ("Left", "Right")}
 
@@ -39,6 +47,9 @@ class FrozenLake:
         invalid_penalty: the reward of a step whose action cannot be parsed.
         fixed_map: rows of a map to use instead of random ones, in gymnasium's letters (S start, F frozen,
             H hole, G goal) or ours (`_` frozen, `O` hole); must have a start, a goal and a path between.
+        observation: `text` (the grid's rows) or `image`: the grid drawn as an image (`board_image`, in
+            `info["images"]`; the observation text is `<image>`, where the image goes), for a
+            vision-language policy (`IMAGE_INSTRUCTIONS`). Either way `info["anchor"]` is the text grid.
     """
 
     def __init__(
@@ -49,7 +60,10 @@ class FrozenLake:
         max_turns: int = 8,
         invalid_penalty: float = -0.1,
         fixed_map: list[str] | None = None,
+        observation: str = "text",
     ):
+        if observation not in OBSERVATIONS:
+            raise ConfigError(f"frozenlake: observation must be one of {', '.join(OBSERVATIONS)}, got {observation!r}")
         if fixed_map is None and 2 * (size - 1) > max_turns:
             raise ConfigError(f"frozenlake: a {size}x{size} map needs max_turns >= {2 * (size - 1)}, got {max_turns}")
         if not 0.0 <= hole_fraction < 1.0:
@@ -59,6 +73,7 @@ class FrozenLake:
         self.slippery = slippery
         self.max_turns = max_turns
         self.invalid_penalty = invalid_penalty
+        self.observation = observation
         self.fixed_map = _read_fixed_map(fixed_map) if fixed_map is not None else None
         self.grid: list[str] = []
         self.position = (0, 0)
@@ -83,8 +98,7 @@ class FrozenLake:
             self.grid = _random_map(self.size, 1.0 - self.hole_fraction, self.max_turns, self._rng)
             self.position = (0, 0)
         self.turns, self.done, self.success = 0, False, False
-        observation = self.render()
-        return observation, {"success": False, "anchor": observation}
+        return self._observed({"success": False, "anchor": self.render()})
 
     def step(self, action: str) -> StepResult:
         """Move the player by the model's text.
@@ -112,13 +126,33 @@ class FrozenLake:
         return self._result(1.0 if self.success else 0.0, False)
 
     def _result(self, reward: float, invalid: bool) -> StepResult:
-        observation = self.render()
-        info = {"success": self.success, "invalid_action": invalid, "anchor": observation}
+        info = {"success": self.success, "invalid_action": invalid, "anchor": self.render()}
         truncated = not self.done and self.turns >= self.max_turns
         if self.done or truncated:
             info["outcome"] = ("reached the goal" if self.success else "fell into a hole") if self.done else \
                 f"out of turns: all {self.max_turns} moves used"
+        observation, info = self._observed(info)
         return observation, reward, self.done, truncated, info
+
+    def _observed(self, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(observation text, info) of the current state: the text grid, or `<image>` and the board image."""
+        if self.observation == "image":
+            return "<image>", {**info, "images": [self.board_image()]}
+        return info["anchor"], info
+
+    def board_image(self):
+        """The grid as an RGB image, `CELL_PIXELS` per cell: the player red, ice light blue, holes dark blue,
+        the goal green (a pixel of black between cells)."""
+        from PIL import Image, ImageDraw
+
+        rows = self.render().splitlines()
+        image = Image.new("RGB", (len(rows[0]) * CELL_PIXELS, len(rows) * CELL_PIXELS), (0, 0, 0))
+        draw = ImageDraw.Draw(image)
+        for r, row in enumerate(rows):
+            for c, cell in enumerate(row):
+                top, left = r * CELL_PIXELS, c * CELL_PIXELS
+                draw.rectangle([left + 1, top + 1, left + CELL_PIXELS - 2, top + CELL_PIXELS - 2], fill=CELL_COLOURS[cell])
+        return image
 
     def play_help(self) -> str:
         """The legend and the moves, for a person playing (`rollflow env play`)."""

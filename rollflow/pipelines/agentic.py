@@ -22,7 +22,7 @@ from rollflow.errors import ConfigError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
-from rollflow.pipelines.preflight import run_context_length
+from rollflow.pipelines.preflight import check_no_vision_critic, run_context_length, vision_processor
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
@@ -105,9 +105,11 @@ class AgenticStep:
         model = self.config.model
         check_model_files(model.path)
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
-        self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt)
-        self.settings = episode_settings(self.config, run_context_length(
-            self.config, load_model_config(model.path, model.trust_remote_code)))
+        model_config = load_model_config(model.path, model.trust_remote_code)
+        self.processor = vision_processor(model.path, model_config, self.tokenizer, model.trust_remote_code)
+        check_no_vision_critic(self.processor, self.config.algorithm)
+        self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, processor=self.processor)
+        self.settings = episode_settings(self.config, run_context_length(self.config, model_config))
         return []
 
     def start_lines(self) -> list[str]:
@@ -119,7 +121,7 @@ class AgenticStep:
         self.groups, self.colocation = groups, colocation
         tools = check_envs(groups["env"], self.config)
         if tools:  # the env's tools go into the first prompt, by the chat template
-            self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, tools)
+            self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, tools, self.processor)
         self.core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
                                 self.settings, self.sampling)
         self.eval_program = self.core.program.for_eval(self.greedy)

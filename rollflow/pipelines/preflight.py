@@ -95,10 +95,7 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     tokenizer = load_tokenizer(model.path, model.trust_remote_code)
     data = config.data
     processor = vision_processor(model.path, model_config, tokenizer, model.trust_remote_code)
-    if processor is not None and config.algorithm.needs_critic:
-        raise ConfigError(f"algorithm.advantage={config.algorithm.advantage} needs a critic (a value model), and "
-                          "a vision-language model's critic is not supported: its values would not see the "
-                          "images; use an advantage without one (grpo, rloo, reinforce_pp)")
+    check_no_vision_critic(processor, config.algorithm)
     encoder = PromptEncoder(tokenizer, data.prompt_key, data.apply_chat_template, data.max_prompt_tokens,
                             processor=processor, image_key=data.image_key)
     prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
@@ -132,6 +129,15 @@ def vision_processor(path: str, model_config: Any, tokenizer, trust_remote_code:
     if not is_vision_language(model_config):
         return None
     return load_vision_processor(resolve_model_path(path), tokenizer, trust_remote_code)
+
+
+def check_no_vision_critic(processor, algorithm) -> None:
+    """ConfigError when a vision-language policy (`processor` not None) would get a critic: a value model
+    reads token ids only, so its values would not see the images."""
+    if processor is not None and algorithm.needs_critic:
+        raise ConfigError(f"algorithm.advantage={algorithm.advantage} needs a critic (a value model), and a "
+                          "vision-language model's critic is not supported: its values would not see the images; "
+                          "use an advantage without one (grpo, rloo, reinforce_pp)")
 
 
 def image_directory(dataset: DatasetConfig) -> Path | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import Sample, SampleStatus
 from rollflow.data.seeds import derive_seed
+from rollflow.data.vision import join_vision
 from rollflow.engines.base import SamplingParams
 from rollflow.rollout.core import Group, GroupState, Play
 from rollflow.rollout.episodes import Episode, Turn, episode_samples, failed_samples
@@ -144,7 +145,13 @@ class EnvGroups:
             observation, info = reply["observation"], reply["info"]
             episode.env_seconds += reply["seconds"]
             episode.count(info)
-            episode.prompt_ids = encoder.first_prompt(observation)
+            images = info.pop("images", None)
+            if images and settings.samples != "trajectory":
+                episode.fail("image observations train trajectory-wise (rollout.samples: trajectory): a step-wise "
+                             "sample's prompt would re-render the earlier turns' images")
+                return
+            episode.vision = encoder.vision(images)
+            episode.prompt_ids = encoder.first_prompt(observation, episode.vision)
             seen: str | list[str] = observation  # what the model answers next: an observation or tool results
             history: list[tuple[str | list[str], str]] = []
             for number in range(settings.max_turns):
@@ -165,7 +172,7 @@ class EnvGroups:
                     episode.status = SampleStatus.ABORTED
                     return
                 seed_key = None if sampling.temperature == 0 else ("turn", episode.group, episode.slot, number)
-                completion, _ = await play.generate(prompt, sampling, worker=engine,
+                completion, _ = await play.generate(prompt, sampling, worker=engine, vision=episode.vision,
                                                     order=(episode.group, episode.slot), seed_key=seed_key)
                 output = completion.outputs[0]
                 if output.finish_reason == "abort":  # the group was cut
@@ -182,6 +189,7 @@ class EnvGroups:
                     return
                 episode.env_seconds += reply["seconds"]
                 turn.reward, info = reply["reward"], reply["info"]
+                images = info.pop("images", None)
                 turn.invalid = bool(info.get("invalid_action", False))
                 episode.info = info
                 episode.count(info)
@@ -194,7 +202,9 @@ class EnvGroups:
                 tool_results = info.get("tool_results")
                 seen = tool_results if isinstance(tool_results, list) else observation
                 if settings.samples == "trajectory" and number + 1 < settings.max_turns:  # a next turn follows
-                    episode.add_observation(encoder.next_turn(seen, output.token_ids))
+                    vision = encoder.vision(images)
+                    episode.add_observation(encoder.next_turn(seen, output.token_ids, vision))
+                    episode.vision = join_vision([episode.vision, vision])
             else:
                 episode.status = SampleStatus.TRUNCATED  # the turn limit
         except asyncio.CancelledError:

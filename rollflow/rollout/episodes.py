@@ -69,6 +69,7 @@ class Episode:
     error_details: str = ""
     env_seconds: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)  # COUNTED_INFO keys summed over the env's replies
+    vision: Any = None  # the images of every observation so far, in order (`VisionInputs`; None: text only)
 
     def count(self, info: dict[str, Any]) -> None:
         """Add an env reply's counters (`COUNTED_INFO`: tool calls, tool errors, time in tools, env retries)."""
@@ -140,7 +141,7 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
                 response_logprobs=episode.response_logprobs, loss_mask=episode.loss_mask,
                 policy_versions=episode.response_versions,
                 response_text=" | ".join(turn.text for turn in episode.turns),
-                metadata={**meta, "spans": list(episode.spans)}, **common))
+                metadata={**meta, "spans": list(episode.spans)}, vision=episode.vision, **common))
         else:
             for number, turn in enumerate(episode.turns):
                 samples.append(Sample(

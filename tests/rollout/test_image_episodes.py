@@ -1,0 +1,134 @@
+"""Agentic episodes with image observations (FrozenLake drawn as an image) for a vision-language policy: every
+turn's images reach the engine with the prompt that holds their tokens, a trajectory carries all of them to
+the trainer, and the trainer scores the model's tokens as the hf engine sampled them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollflow.data.multiturn import TurnEncoder
+from rollflow.data.sample import SampleStatus, collate
+from rollflow.data.vision import IMAGE_PAD, load_vision_processor
+from rollflow.engines.base import SamplingParams
+from rollflow.envs.frozenlake import FrozenLake
+from rollflow.errors import DataError
+from rollflow.fresh_model import save_fresh_vl_model
+from rollflow.models import load_tokenizer
+from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
+from tests.rollout.test_env_groups import CORRIDOR, Remote, ScriptedEngine, env_worker
+
+TOKENS_PER_BOARD = 16  # a 4x4 board: 32x32 pixels, one image token per cell
+IMAGE_ENV = {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 4, "observation": "image"}}
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-vl")
+    save_fresh_vl_model(path, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def encoder(vl_model):
+    tokenizer = load_tokenizer(vl_model)
+    return TurnEncoder(tokenizer, processor=load_vision_processor(vl_model, tokenizer))
+
+
+class RecordingEngine(ScriptedEngine):
+    """A scripted engine that also records each request's images."""
+
+    def __init__(self, action: str):
+        super().__init__(action)
+        self.visions = []
+
+    async def generate(self, request):
+        self.visions.append(request.vision)
+        return await super().generate(request)
+
+
+def _play(engine, encoder, env=IMAGE_ENV, samples="trajectory"):
+    episodes = EpisodeSettings(group_size=2, max_turns=4, max_context_tokens=256, step_timeout_s=5.0,
+                               samples=samples)
+    program = EnvGroups([Remote(env_worker(env))], encoder, episodes, SamplingParams(6))
+    core = RolloutCore([engine], program, SeedSource(0, 1_000_000), CoreSettings(groups_per_step=1, watchdog_s=60.0))
+    try:
+        return core.next_batch(1, 0)
+    finally:
+        core.close()
+
+
+def test_each_turn_s_board_reaches_the_engine_and_the_trajectory_keeps_them_all(encoder):
+    engine = RecordingEngine("Right")
+    result = _play(Remote(engine), encoder)
+    samples = [s for s in result.samples if s.status != SampleStatus.FAILED]
+    assert len(samples) == 2 and all(s.metadata["turns"] == 4 for s in samples)
+    pad = encoder.processor.image_token_id
+    for prompt, vision in zip(engine.prompts, engine.visions):  # turn k's prompt holds k boards, and so does vision
+        assert prompt.count(pad) == TOKENS_PER_BOARD * vision.num_images
+    assert sorted(v.num_images for v in engine.visions) == [1, 1, 2, 2, 3, 3, 4, 4]
+    # the boards are the env's, in order: the player walks right along the corridor's top row
+    env = FrozenLake(fixed_map=CORRIDOR, max_turns=4, observation="image")
+    _, info = env.reset(seed=0)
+    boards = [info["images"][0]] + [env.step("Right")[4]["images"][0] for _ in range(3)]
+    expected = encoder.processor.process(boards)
+    for sample in samples:
+        assert torch.equal(sample.vision.pixel_values, expected.pixel_values)
+        full = sample.prompt_ids + sample.response_ids
+        assert full.count(pad) == 4 * TOKENS_PER_BOARD
+        # the image tokens come from the env's turns (loss mask 0), never from the model's
+        assert all(mask == 0 for token, mask in zip(sample.response_ids, sample.loss_mask) if token == pad)
+    text = encoder.tokenizer.decode(samples[0].prompt_ids, skip_special_tokens=False)
+    assert text.count("<|vision_start|>") == 1 and IMAGE_PAD * TOKENS_PER_BOARD in text
+
+
+def test_a_text_only_policy_given_image_observations_says_so(tmp_path):
+    from rollflow.fresh_model import save_fresh_model
+
+    save_fresh_model(tmp_path, seed=0)
+    with pytest.raises(DataError, match="observation has 1 image.*but the model is text-only"):
+        _play(Remote(ScriptedEngine("Right")), TurnEncoder(load_tokenizer(str(tmp_path))))
+
+
+def test_step_wise_samples_of_image_observations_fail_with_the_reason(encoder):
+    result = _play(Remote(ScriptedEngine("Right")), encoder, samples="step")
+    failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
+    assert failed and all("image observations train trajectory-wise" in s.metadata["error"] for s in failed)
+
+
+def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_model, encoder):
+    from rollflow.backends.logprobs import response_logprobs
+    from rollflow.engines import create_engine
+    from rollflow.models import load_causal_lm
+
+    engine = create_engine("hf", model_path=vl_model)
+    try:
+        result = _play(Remote(engine), encoder, env={**IMAGE_ENV, "kwargs": {"size": 4, "max_turns": 6,
+                                                                                "observation": "image"}})
+    finally:
+        engine.close()
+    samples = [s for s in result.samples if s.status != SampleStatus.FAILED]
+    assert samples and all(s.vision.num_images == len(s.metadata["spans"]) for s in samples)
+    assert any(s.vision.num_images > 1 for s in samples)  # at least one multi-turn trajectory
+    batch = collate(samples, pad_token_id=encoder.tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = response_logprobs(load_causal_lm(vl_model), batch)
+    mask = batch.response_mask > 0
+    assert (trainer - batch.rollout_logprobs)[mask].abs().max().item() < 1e-4
+
+
+def test_frozenlake_draws_its_board_and_refuses_an_unknown_observation_kind():
+    from rollflow.errors import ConfigError
+
+    env = FrozenLake(fixed_map=CORRIDOR, max_turns=4, observation="image")
+    observation, info = env.reset(seed=0)
+    assert observation == "<image>" and info["anchor"] == "P___\nOOO_\nOOO_\nOOOG"
+    board = info["images"][0]
+    assert board.size == (32, 32)
+    assert board.getpixel((4, 4)) == (230, 40, 40) and board.getpixel((28, 28)) == (40, 190, 70)  # you, the goal
+    assert board.getpixel((4, 12)) == (20, 30, 110) and board.getpixel((12, 4)) == (170, 210, 250)  # hole, ice
+    moved = env.step("Right")[4]["images"][0]
+    assert moved.getpixel((12, 4)) == (230, 40, 40) and moved.getpixel((4, 4)) == (170, 210, 250)
+    with pytest.raises(ConfigError, match="observation must be one of text, image"):
+        FrozenLake(observation="pixels")
