@@ -127,6 +127,22 @@ def test_a_gem_game_runs_through_the_adapter(ray_session, tmp_path):
     assert rows[1]["train/samples"] == 4 and rows[1]["rollout/turns"] >= 1
 
 
+def test_the_tiny_vlm_plays_frozenlake_from_images(ray_session, tmp_path):
+    """examples/agentic_frozenlake_vl.yaml, short: the boards as images, trajectory samples, the VLM trained
+    (its vision tower too) and synced; its checkpoint keeps the image processor."""
+    config = load_config("examples/agentic_frozenlake_vl.yaml", [
+        f"output.dir={tmp_path}", "name=vl", "output.trackers=[jsonl]", "train.steps=2", "eval.episodes=4",
+        "eval.every_steps=0", "rollout.groups_per_step=2", "rollout.group_size=2"])
+    final = run_agentic(config, manage_ray=False)
+    rows = [json.loads(line) for line in (tmp_path / "vl" / "metrics.jsonl").read_text().splitlines()]
+    _finite(rows)
+    assert [row["step"] for row in rows] == [0, 1, 2] and "initial_eval/success" in final
+    assert all(row["train/samples"] == 4 and row["rollout/failed"] == 0 for row in rows[1:])
+    assert rows[1]["rollout/turns"] >= 1
+    checkpoint = tmp_path / "vl" / "checkpoints" / "step_2" / "model"
+    assert (checkpoint / "preprocessor_config.json").is_file()
+
+
 @pytest.mark.parametrize("example", sorted(Path("examples").glob("agentic_*.yaml")), ids=lambda p: p.stem)
 def test_agentic_examples_load(example):
     config = load_config(example)
