@@ -13,10 +13,31 @@ def model_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     Returns:
         [B, T, V] logits; row b, column t predicts response token t (input column P + t).
     """
+    from rollflow.models import uses_mrope
+
     prompt_width, response_width = batch.prompt_length, batch.response_width
-    inputs = {"input_ids": batch.input_ids, **model_inputs(model, batch)}
-    output = model(attention_mask=batch.attention_mask, use_cache=False, **inputs)
+    if uses_mrope(model):
+        output = _forward_with_inputs_inside(model, batch)
+    else:
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                       **model_inputs(model, batch))
     return output.logits[:, prompt_width - 1 : prompt_width + response_width - 1].float()  # [B, T, V]
+
+
+def _forward_with_inputs_inside(model: torch.nn.Module, batch: Batch):
+    """The forward of a multimodal-rotary model, its inputs (`model_inputs`: embeddings with the image
+    features, mrope positions) made inside its forward by a pre-hook: under FSDP2 the root's own weights (the
+    embedding, the vision tower's patch embedding and merger) are gathered only there, after FSDP's own
+    pre-forward hook, and the tower's blocks may run only once the root's forward has started."""
+
+    def hook(module, args, kwargs):
+        return args, {**kwargs, **model_inputs(model, batch)}
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    finally:
+        handle.remove()
 
 
 def model_inputs(model: torch.nn.Module, batch: Batch) -> dict:
