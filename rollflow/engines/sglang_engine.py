@@ -182,7 +182,7 @@ class SGLangEngine:
         try:
             results = await self.engine.async_generate(
                 input_ids=[list(request.prompt_ids)] * n, rid=rids, return_logprob=True,
-                sampling_params=sglang_sampling_params(request.params))
+                sampling_params=sglang_sampling_params(request.params), **sglang_image_data(request))
         finally:
             self._rids.pop(request.request_id, None)
         # The version now is the one that sampled every token: an update waits for running requests,
@@ -241,3 +241,12 @@ class SGLangEngine:
             self._loop_thread.call(self.engine.shutdown)
         finally:
             self._loop_thread.close()
+
+
+def sglang_image_data(request: GenerationRequest) -> dict:
+    """`async_generate`'s images for a vision-language request, one list per sample of its `n` (each sample is a
+    request of its own there); {} for a text request. The ids hold the images' placeholders already expanded,
+    as the trainer scores them."""
+    if request.vision is None or not request.vision.num_images:
+        return {}
+    return {"image_data": [list(request.vision.images)] * request.params.n}

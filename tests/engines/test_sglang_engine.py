@@ -14,6 +14,7 @@ from rollflow.engines.sglang_engine import (
     completion_output_from_sglang,
     finish_reason_from_sglang,
     original_logprob_enabled,
+    sglang_image_data,
     sglang_sampling_params,
 )
 
@@ -76,3 +77,47 @@ def test_sglang_engine_refuses_to_start_with_original_logprobs(random_model_dir,
         assert len(completion.outputs) == 3 and all(1 <= len(o.token_ids) <= 4 for o in completion.outputs)
     finally:
         engine.close()
+
+
+def test_a_vlm_request_sends_its_images_once_per_sample():
+    from rollflow.data.vision import VisionInputs
+    from rollflow.data.visual_tasks import draw_cells
+
+    images = [draw_cells({0: (230, 40, 40)})]
+    vision = VisionInputs(torch.zeros(64, 96), torch.tensor([[1, 8, 8]]), images)
+    request = GenerationRequest("v", [3, 7, 5], SamplingParams(n=3), vision)
+    assert sglang_image_data(request) == {"image_data": [images, images, images]}
+    assert sglang_image_data(GenerationRequest("t", [3, 5], SamplingParams(n=2))) == {}
+
+
+@pytest.mark.gpu
+def test_sglang_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(tmp_path):
+    """Not run on this project's CPU machines: SGLang needs a CUDA GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("sglang")
+    from rollflow.backends.logprobs import response_logprobs
+    from rollflow.data.prompts import PromptEncoder
+    from rollflow.data.sample import Sample, collate
+    from rollflow.data.vision import load_vision_processor
+    from rollflow.data.visual_tasks import count_shapes_splits
+    from rollflow.engines.sglang_engine import SGLangEngine
+    from rollflow.fresh_model import save_fresh_vl_model
+    from rollflow.models import load_causal_lm, load_tokenizer
+
+    save_fresh_vl_model(tmp_path, seed=0)
+    tokenizer = load_tokenizer(str(tmp_path))
+    encoder = PromptEncoder(tokenizer, processor=load_vision_processor(str(tmp_path), tokenizer))
+    prompt = encoder.encode(count_shapes_splits()[1][0])
+    engine = SGLangEngine(str(tmp_path), mem_fraction_static=0.25, disable_cuda_graph=True)
+    try:
+        request = GenerationRequest("vl", prompt.token_ids, SamplingParams(max_new_tokens=4, n=2), prompt.vision)
+        outputs = asyncio.run(engine.generate(request)).outputs
+    finally:
+        engine.close()
+    samples = [Sample(prompt.token_ids, list(o.token_ids), list(o.logprobs), [1] * len(o.token_ids),
+                      vision=prompt.vision) for o in outputs]
+    batch = collate(samples, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = response_logprobs(load_causal_lm(str(tmp_path)), batch)
+    assert ((trainer - batch.rollout_logprobs) * batch.response_mask).abs().max().item() < 1e-2
