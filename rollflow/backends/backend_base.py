@@ -21,7 +21,10 @@ from rollflow.backends.base import LossFn, TrainerSettings, micro_batch_rows
 from rollflow.backends.training_state import build_optimizer, move_training_state
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from rollflow.data.sample import Batch
+
 
 class TrainingBackendBase:
     """State and bookkeeping shared by the training backends; each backend extends this class once.

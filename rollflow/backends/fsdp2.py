@@ -37,7 +37,12 @@ import torch.distributed as dist
 
 from rollflow.backends.backend_base import TrainingBackendBase
 from rollflow.backends.base import LossFn, TrainerSettings
-from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state, synced_weights
+from rollflow.backends.training_state import (
+    build_model,
+    load_scheduler_state,
+    save_training_state,
+    synced_weights,
+)
 from rollflow.backends.value_model import WEIGHTS_FILE
 from rollflow.data.sample import Batch
 from rollflow.models import DTYPES, load_causal_lm

@@ -23,7 +23,12 @@ import torch
 
 from rollflow.backends.backend_base import TrainingBackendBase
 from rollflow.backends.base import LossFn, TrainerSettings
-from rollflow.backends.training_state import build_model, load_scheduler_state, save_training_state, synced_weights
+from rollflow.backends.training_state import (
+    build_model,
+    load_scheduler_state,
+    save_training_state,
+    synced_weights,
+)
 from rollflow.data.sample import Batch
 from rollflow.models import load_causal_lm
 

@@ -18,7 +18,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from rollflow.data.sample import Sample
-from rollflow.data.vision import VisionInputs, VisionProcessor, described_images, encodable_images, image_messages
+from rollflow.data.vision import (
+    VisionInputs,
+    VisionProcessor,
+    described_images,
+    encodable_images,
+    image_messages,
+)
 from rollflow.errors import DataError
 
 Item = TypeVar("Item")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollflow.data.vision import stack_vision
 from rollflow.engines.base import (
     Completion,
     CompletionOutput,
@@ -52,7 +53,6 @@ from rollflow.engines.kv_batch import DecodeBatch, repeat_requests
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.engines.prefix_cache import PrefixCache, with_prefixes
 from rollflow.engines.sampling import sample_tokens
-from rollflow.data.vision import stack_vision
 from rollflow.models import (
     cache_keyword,
     eos_token_ids,

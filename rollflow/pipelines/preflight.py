@@ -40,8 +40,8 @@ from rollflow.data.prompts import (
     load_dataset,
 )
 from rollflow.data.seeds import derive_seed
-from rollflow.errors import ConfigError, DataError
 from rollflow.data.vision import load_vision_processor, resolve_image_paths
+from rollflow.errors import ConfigError, DataError
 from rollflow.models import (
     check_model_files,
     is_vision_language,

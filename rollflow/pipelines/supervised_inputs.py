@@ -20,9 +20,9 @@ from typing import Any
 from rollflow.data.prompts import EncodedPrompt, PromptEncoder, Row, load_dataset
 from rollflow.data.sample import Sample
 from rollflow.data.supervised import ConversationEncoder
+from rollflow.data.vision import resolve_image_paths
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
-from rollflow.data.vision import resolve_image_paths
 from rollflow.pipelines.preflight import (
     check_represented,
     check_reward_columns,

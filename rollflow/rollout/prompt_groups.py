@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
