@@ -223,22 +223,33 @@ class TurnEncoder:
         pieces = self._tool_pieces[count]
         return "".join(piece + result for piece, result in zip(pieces, results)) + pieces[-1]
 
-    def step_prompt(self, history: list[tuple[str | list[str], str]], observation: str | list[str]) -> list[int]:
+    def step_prompt(self, history: list[tuple[str | list[str], str]], observation: str | list[str],
+                    visions: list[VisionInputs | None] | None = None) -> list[int]:
         """A step-wise sample's prompt: the earlier (observation, reply) turns kept, then `observation`.
 
         An observation is text (a user turn) or a list of tool results (tool turns after the reply before it);
         tool results with no reply before them in the prompt (the kept history starts there) are a user turn
-        of their lines.
+        of their lines. `visions`: the images of each observation of the prompt (the history's, then
+        `observation`'s; None: none), placed in their turns; the prompt's images are `join_vision(visions)`.
         """
         pieces = self.pieces
+        visions = visions or [None] * (len(history) + 1)
         text = pieces.first_prefix
-        for index, (seen, reply) in enumerate(history):
-            text += self._observation_text(seen, index == 0) + reply + pieces.end_of_turn
-        return self.encode(text + self._observation_text(observation, not history))
+        for index, ((seen, reply), vision) in enumerate(zip(history, visions)):
+            text += self._observation_text(seen, index == 0, vision) + reply + pieces.end_of_turn
+        text += self._observation_text(observation, not history, visions[-1])
+        from rollflow.data.vision import join_vision
 
-    def _observation_text(self, seen: str | list[str], first: bool) -> str:
+        joined = join_vision(visions)
+        return self.encode(text if joined is None else self.processor.expand(text, joined))
+
+    def _observation_text(self, seen: str | list[str], first: bool, vision: VisionInputs | None = None) -> str:
         if isinstance(seen, list):
             if not first:
                 return self._tool_text(seen)
             seen = "\n".join(seen)
+        if vision is not None:
+            from rollflow.data.vision import place_images
+
+            seen = place_images(seen, vision.num_images)
         return ("" if first else self.pieces.user_prefix) + seen + self.pieces.user_suffix

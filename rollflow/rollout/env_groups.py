@@ -145,21 +145,19 @@ class EnvGroups:
             observation, info = reply["observation"], reply["info"]
             episode.env_seconds += reply["seconds"]
             episode.count(info)
-            images = info.pop("images", None)
-            if images and settings.samples != "trajectory":
-                episode.fail("image observations train trajectory-wise (rollout.samples: trajectory): a step-wise "
-                             "sample's prompt would re-render the earlier turns' images")
-                return
-            episode.vision = encoder.vision(images)
+            seen_vision = episode.vision = encoder.vision(info.pop("images", None))  # the observation's images
             episode.prompt_ids = encoder.first_prompt(observation, episode.vision)
             seen: str | list[str] = observation  # what the model answers next: an observation or tool results
             history: list[tuple[str | list[str], str]] = []
+            history_visions: list = []  # the images of each observation of `history`
             for number in range(settings.max_turns):
                 if settings.samples == "trajectory":
-                    prompt = episode.prompt_ids + episode.response_ids
+                    prompt, vision = episode.prompt_ids + episode.response_ids, episode.vision
                 else:
-                    prompt = encoder.step_prompt(history[len(history) - settings.history_turns:]
-                                                 if settings.history_turns else [], seen)
+                    kept = -settings.history_turns if settings.history_turns else len(history)
+                    visions = [*history_visions[kept:], seen_vision]
+                    prompt = encoder.step_prompt(history[kept:], seen, visions)
+                    vision = join_vision(visions)
                 if len(prompt) + sampling.max_new_tokens > settings.max_context_tokens:
                     if not episode.turns:
                         episode.fail(f"the first prompt has {len(prompt)} tokens: with rollout.max_new_tokens = "
@@ -172,7 +170,7 @@ class EnvGroups:
                     episode.status = SampleStatus.ABORTED
                     return
                 seed_key = None if sampling.temperature == 0 else ("turn", episode.group, episode.slot, number)
-                completion, _ = await play.generate(prompt, sampling, worker=engine, vision=episode.vision,
+                completion, _ = await play.generate(prompt, sampling, worker=engine, vision=vision,
                                                     order=(episode.group, episode.slot), seed_key=seed_key)
                 output = completion.outputs[0]
                 if output.finish_reason == "abort":  # the group was cut
@@ -181,7 +179,8 @@ class EnvGroups:
                 text = encoder.decode(output.token_ids)
                 turn = Turn(prompt, list(output.token_ids), list(output.logprobs), list(output.policy_versions),
                             text, str(info.get("anchor", observation)),
-                            prefix_reused_tokens=int(completion.metadata.get("prefix_reused_tokens", 0)))
+                            prefix_reused_tokens=int(completion.metadata.get("prefix_reused_tokens", 0)),
+                            vision=vision)
                 episode.add_turn(turn)
                 reply = await self._env_call(env_worker.step.remote(slot, text), env_index, "step", play)
                 if "error" in reply:
@@ -189,7 +188,7 @@ class EnvGroups:
                     return
                 episode.env_seconds += reply["seconds"]
                 turn.reward, info = reply["reward"], reply["info"]
-                images = info.pop("images", None)
+                next_vision = encoder.vision(info.pop("images", None))
                 turn.invalid = bool(info.get("invalid_action", False))
                 episode.info = info
                 episode.count(info)
@@ -198,13 +197,13 @@ class EnvGroups:
                         else SampleStatus.FINISHED
                     break
                 history.append((seen, text))
+                history_visions.append(seen_vision)
                 observation = reply["observation"]
                 tool_results = info.get("tool_results")
-                seen = tool_results if isinstance(tool_results, list) else observation
+                seen, seen_vision = (tool_results if isinstance(tool_results, list) else observation), next_vision
                 if settings.samples == "trajectory" and number + 1 < settings.max_turns:  # a next turn follows
-                    vision = encoder.vision(images)
-                    episode.add_observation(encoder.next_turn(seen, output.token_ids, vision))
-                    episode.vision = join_vision([episode.vision, vision])
+                    episode.add_observation(encoder.next_turn(seen, output.token_ids, seen_vision))
+                    episode.vision = join_vision([episode.vision, seen_vision])
             else:
                 episode.status = SampleStatus.TRUNCATED  # the turn limit
         except asyncio.CancelledError:

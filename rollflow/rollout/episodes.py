@@ -35,6 +35,7 @@ class Turn:
     reward: float = 0.0
     invalid: bool = False
     prefix_reused_tokens: int = 0  # prompt tokens the engine's prefix cache already held
+    vision: Any = None  # the images of `prompt_ids` (`VisionInputs`; None: none), for a step-wise sample
 
 
 @dataclass(eq=False)
@@ -147,7 +148,7 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
                 samples.append(Sample(
                     prompt_ids=turn.prompt_ids, response_ids=turn.token_ids, response_logprobs=turn.logprobs,
                     loss_mask=[1] * len(turn.token_ids), policy_versions=turn.versions, response_text=turn.text,
-                    metadata={**meta, "turn": number}, **common))
+                    metadata={**meta, "turn": number}, vision=turn.vision, **common))
     return [sample for sample in samples if sample.response_ids]
 
 

@@ -48,9 +48,9 @@ class RecordingEngine(ScriptedEngine):
         return await super().generate(request)
 
 
-def _play(engine, encoder, env=IMAGE_ENV, samples="trajectory"):
+def _play(engine, encoder, env=IMAGE_ENV, samples="trajectory", history_turns=0):
     episodes = EpisodeSettings(group_size=2, max_turns=4, max_context_tokens=256, step_timeout_s=5.0,
-                               samples=samples)
+                               samples=samples, history_turns=history_turns)
     program = EnvGroups([Remote(env_worker(env))], encoder, episodes, SamplingParams(6))
     core = RolloutCore([engine], program, SeedSource(0, 1_000_000), CoreSettings(groups_per_step=1, watchdog_s=60.0))
     try:
@@ -91,10 +91,23 @@ def test_a_text_only_policy_given_image_observations_says_so(tmp_path):
         _play(Remote(ScriptedEngine("Right")), TurnEncoder(load_tokenizer(str(tmp_path))))
 
 
-def test_step_wise_samples_of_image_observations_fail_with_the_reason(encoder):
-    result = _play(Remote(ScriptedEngine("Right")), encoder, samples="step")
-    failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
-    assert failed and all("image observations train trajectory-wise" in s.metadata["error"] for s in failed)
+@pytest.mark.parametrize("history_turns, boards", [(0, [1, 1, 1, 1]), (1, [1, 2, 2, 2])])
+def test_step_wise_samples_hold_the_boards_of_their_own_prompt(encoder, history_turns, boards):
+    engine = RecordingEngine("Right")
+    result = _play(Remote(engine), encoder, samples="step", history_turns=history_turns)
+    samples = [s for s in result.samples if s.status != SampleStatus.FAILED]
+    assert len(samples) == 8  # 2 episodes x 4 turns
+    pad = encoder.processor.image_token_id
+    env = FrozenLake(fixed_map=CORRIDOR, max_turns=4, observation="image")
+    _, info = env.reset(seed=0)
+    expected = [encoder.processor.process([board]).pixel_values
+                for board in [info["images"][0]] + [env.step("Right")[4]["images"][0] for _ in range(3)]]
+    for sample in samples:
+        turn = sample.metadata["turn"]
+        assert sample.vision.num_images == boards[turn]
+        assert sample.prompt_ids.count(pad) == TOKENS_PER_BOARD * boards[turn]
+        assert torch.equal(sample.vision.pixel_values[-64:], expected[turn])  # its own board last
+        assert sample.prompt_ids in engine.prompts
 
 
 def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_model, encoder):
