@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from rollflow.envs.images import IMAGES_KEY, images_from_json
 from rollflow.errors import RollflowError
 
 CLOSE_TIMEOUT_S = 2.0  # a close is a courtesy: the server expires forgotten sessions by itself
@@ -109,7 +110,7 @@ class RemoteEnv:
         self.session: str | None = None
         self.seed: int | None = None
         self.actions: list[str] = []  # the episode's actions so far, for a replay
-        self.observations: list[str] = []  # the reset's observation, then each step's
+        self.observations: list[tuple] = []  # the reset's observation (text, images), then each step's
         self._opened: dict[str, Any] = {}
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
@@ -117,7 +118,7 @@ class RemoteEnv:
         self.close()
         self.seed, self.actions, self.observations = seed, [], []
         reply, retries = self._retrying("reset", lambda: self._opened, open_first=True)
-        self.observations.append(reply["observation"])
+        self.observations.append(_seen(reply))
         return reply["observation"], {**reply["info"], "env_retries": retries}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -126,7 +127,7 @@ class RemoteEnv:
             raise RemoteEnvError("RemoteEnv.step without a session: reset it first (a failed call ends the session)")
         reply, retries = self._retrying("step", lambda: self._step(action))
         self.actions.append(action)
-        self.observations.append(reply["observation"])
+        self.observations.append(_seen(reply))
         return (reply["observation"], reply["reward"], reply["terminated"], reply["truncated"],
                 {**reply["info"], "env_retries": retries})
 
@@ -186,16 +187,17 @@ class RemoteEnv:
         if not isinstance(reply.get("session"), str) or not isinstance(reply.get("observation"), str) \
                 or not isinstance(reply.get("info"), dict):
             raise _Retryable(f"the reply is not a reset result ({_short(reply)})")
+        reply = _with_images(reply)
         self.session = reply["session"]
         _count(url, +1, reply.get("live"))
         self._opened = reply
         if not self.observations:
             return
-        self._check_replay(0, reply["observation"])
+        self._check_replay(0, _seen(reply))
         for index, action in enumerate(self.actions, start=1):
-            self._check_replay(index, self._step(action)["observation"])
+            self._check_replay(index, _seen(self._step(action)))
 
-    def _check_replay(self, index: int, observation: str) -> None:
+    def _check_replay(self, index: int, observation: tuple) -> None:
         if observation != self.observations[index]:
             self.close()
             raise RemoteEnvError(f"env server {self.url}: replaying the episode (seed {self.seed}) on a fresh "
@@ -208,7 +210,7 @@ class RemoteEnv:
         if not isinstance(reply.get("observation"), str) or not isinstance(reply.get("info"), dict) \
                 or not isinstance(reply.get("reward"), (int, float)) or isinstance(reply.get("reward"), bool):
             raise _Retryable(f"the reply is not a step result ({_short(reply)})")
-        return {**reply, "reward": float(reply["reward"]), "terminated": bool(reply.get("terminated")),
+        return {**_with_images(reply), "reward": float(reply["reward"]), "terminated": bool(reply.get("terminated")),
                 "truncated": bool(reply.get("truncated"))}
 
     @staticmethod
@@ -251,3 +253,17 @@ def _short(value: Any, limit: int = 80) -> str:
     text = value if isinstance(value, str) else repr(value)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _with_images(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply with its info's images (an image observation's, base64 over HTTP) back as PNG bytes."""
+    try:
+        return {**reply, "info": images_from_json(reply["info"])}
+    except ValueError as err:
+        raise _Retryable(str(err)) from None
+
+
+def _seen(reply: dict[str, Any]) -> tuple:
+    """What a replay must give again: the observation text and its images."""
+    images = reply["info"].get(IMAGES_KEY)
+    return reply["observation"], tuple(images) if isinstance(images, list) else None

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from rollflow.envs.images import images_to_json
 from rollflow.envs.make import make_env
 from rollflow.envs.threads import EnvThread
 
@@ -114,7 +115,7 @@ class EnvServer:
         observation, info = value
         self.served += 1
         return {"session": session.id, "observation": self.text(session, observation, "reset"),
-                "info": json_safe(info if isinstance(info, dict) else {}), "live": len(self.sessions)}
+                "info": self.info(session, info), "live": len(self.sessions)}
 
     async def step(self, session_id: str, action: str) -> dict[str, Any]:
         session = self.session(session_id)
@@ -131,7 +132,7 @@ class EnvServer:
             self.fail(session, f"env step returned a reward of {_short(reward)}, expected a finite number")
         return {"observation": self.text(session, observation, "step"), "reward": number,
                 "terminated": bool(terminated), "truncated": bool(truncated),
-                "info": json_safe(info if isinstance(info, dict) else {})}
+                "info": self.info(session, info)}
 
     def close(self, session_id: str) -> dict[str, Any]:
         closed = self.drop(session_id)
@@ -193,6 +194,13 @@ class EnvServer:
             raise Refusal(404, "session", f"no session {session_id!r} on this server (closed, idle past "
                                           f"{self.idle_timeout_s:g} s, or the server restarted)")
         return session
+
+    def info(self, session: _Session, info: Any) -> dict[str, Any]:
+        """The reply's info: JSON-safe, an image observation's images as base64 PNG (`rollflow.envs.images`)."""
+        try:
+            return json_safe(images_to_json(info if isinstance(info, dict) else {}))
+        except ValueError as err:
+            self.fail(session, str(err))
 
     def text(self, session: _Session, observation: Any, what: str) -> str:
         if not isinstance(observation, str):

@@ -22,6 +22,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.envs.base import Env
+from rollflow.envs.images import IMAGES_KEY, image_bytes
 from rollflow.envs.make import make_env
 from rollflow.envs.threads import EnvThread
 from rollflow.workers.base import PlacedWorker
@@ -223,9 +224,6 @@ class EnvWorker(PlacedWorker):
             self.close_slot(slot)
 
 
-IMAGES_KEY = "images"  # an env's info key for the images of its observation (an image observation)
-
-
 class EnvResultError(ValueError):
     """An env's reset or step returned something the protocol does not allow (the message says what)."""
 
@@ -273,8 +271,11 @@ def _plain(info: Any) -> dict[str, Any]:
         return {}
     out = {}
     for key, value in info.items():
-        if key == IMAGES_KEY and value is not None:
-            out[key] = _image_bytes(value)
+        if key == IMAGES_KEY and value is not None:  # an image observation's (`rollflow.envs.images`)
+            try:
+                out[key] = image_bytes(value)
+            except ValueError as err:
+                raise EnvResultError(str(err)) from None
             continue
         if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
             value = value.item()  # a numpy / torch scalar: its Python value (str() of np.False_ would be truthy)
@@ -283,33 +284,6 @@ def _plain(info: Any) -> dict[str, Any]:
         else:
             out[str(key)] = value if isinstance(value, (int, float, str, bool, type(None))) else _short(value)
     return out
-
-
-def _image_bytes(value: Any) -> list[bytes]:
-    """An observation's images (`info["images"]`: PIL images, PNG bytes or file paths; one or a list) as PNG
-    bytes, which cross to the driver cheaply; the driver's encoder reads them (`rollflow.data.vision`).
-
-    Raises:
-        EnvResultError: a value that is no image (one line).
-    """
-    import io
-
-    from rollflow.data.vision import read_image
-    from rollflow.errors import DataError
-
-    images = []
-    for item in value if isinstance(value, (list, tuple)) else [value]:
-        if isinstance(item, (bytes, bytearray)):
-            images.append(bytes(item))
-            continue
-        try:
-            image = read_image(item)
-        except DataError as err:
-            raise EnvResultError(f"env info['images'] holds something that is not an image: {err}") from None
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        images.append(buffer.getvalue())
-    return images
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -364,3 +364,19 @@ def test_serve_prints_its_url_and_stops_on_sigterm():
         stdout, stderr = process.communicate(timeout=20)
     assert process.returncode == 0, stderr
     assert stdout == f"serving frozenlake at {url} (max 3 sessions)\n"
+
+
+def test_an_image_observation_crosses_http_as_the_env_drew_it():
+    from rollflow.envs.frozenlake import FrozenLake
+    from rollflow.envs.images import image_bytes
+
+    kwargs = {"size": 4, "max_turns": 6, "observation": "image"}
+    local = FrozenLake(**kwargs)
+    _, local_info = local.reset(seed=5)
+    with serving("frozenlake", kwargs) as url:
+        env = RemoteEnv([url])
+        observation, info = env.reset(5)
+        assert observation == "<image>" and info["images"] == image_bytes(local_info["images"])
+        step = env.step("Down")
+        assert step[4]["images"] == image_bytes(local.step("Down")[4]["images"])
+        env.close()
