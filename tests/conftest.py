@@ -76,6 +76,16 @@ def contract_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def vl_model_dir(tmp_path_factory) -> str:
+    """The fresh (untrained) tiny Qwen2-VL with its processor, saved once per session; tests only read it."""
+    from rollflow.fresh_model import save_fresh_vl_model
+
+    path = tmp_path_factory.mktemp("tiny-vl")
+    save_fresh_vl_model(path, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """Start Ray once per test session (4 s); tests that need actors take this fixture."""
     from rollflow.cluster.ray_session import start_ray, stop_ray

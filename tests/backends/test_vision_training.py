@@ -13,16 +13,8 @@ from rollflow.data.sample import Sample, collate
 from rollflow.data.vision import load_vision_processor
 from rollflow.data.visual_tasks import count_shapes_splits
 from rollflow.errors import ConfigError
-from rollflow.fresh_model import save_fresh_vl_model
 from rollflow.models import is_vision_weight, load_tokenizer
 from rollflow.workers.actor_loss import ActorLoss
-
-
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-vl")
-    save_fresh_vl_model(path, seed=0)
-    return str(path)
 
 
 def _batch(model_dir):
@@ -49,33 +41,33 @@ def _step(model_dir, **settings):
     return backend, changed
 
 
-def test_the_vision_tower_trains_and_syncs_unless_frozen(vl_model):
-    trained, changed = _step(vl_model)
+def test_the_vision_tower_trains_and_syncs_unless_frozen(vl_model_dir):
+    trained, changed = _step(vl_model_dir)
     vision = {name for name in changed if is_vision_weight(name)}
     assert vision and changed - vision  # both the tower and the language model moved
     assert vision <= set(trained.named_weights())  # and a sync carries the tower's new weights
-    frozen, changed = _step(vl_model, freeze_vision_tower=True)
+    frozen, changed = _step(vl_model_dir, freeze_vision_tower=True)
     assert changed and not any(is_vision_weight(name) for name in changed)
     synced = frozen.named_weights()
     assert not any(is_vision_weight(name) for name in synced)
     assert set(synced) == {name for name in trained.named_weights() if not is_vision_weight(name)}
 
 
-def test_lora_adapts_the_language_model_and_trains_the_tower_in_full_unless_frozen(vl_model):
+def test_lora_adapts_the_language_model_and_trains_the_tower_in_full_unless_frozen(vl_model_dir):
     lora = {"rank": 4, "alpha": 8.0}
-    backend, changed = _step(vl_model, lora=lora)
+    backend, changed = _step(vl_model_dir, lora=lora)
     adapters = [name for name, _ in backend.model.named_parameters() if "lora_" in name]
     assert adapters and not any(is_vision_weight(name) for name in adapters)
     assert any(is_vision_weight(name) for name in changed)  # the tower in full
     assert not any("lora_" not in name and not is_vision_weight(name) for name in changed)  # the LM: adapters
     synced = backend.named_weights()  # merged, under the plain model's names, with the tower
     assert not any("lora_" in name for name in synced) and any(is_vision_weight(name) for name in synced)
-    _, frozen_changed = _step(vl_model, lora=lora, freeze_vision_tower=True)
+    _, frozen_changed = _step(vl_model_dir, lora=lora, freeze_vision_tower=True)
     assert frozen_changed and all("lora_" in name for name in frozen_changed)
 
 
-def test_a_vlm_checkpoint_keeps_its_image_processor(vl_model, tmp_path):
-    backend, _ = _step(vl_model)
+def test_a_vlm_checkpoint_keeps_its_image_processor(vl_model_dir, tmp_path):
+    backend, _ = _step(vl_model_dir)
     backend.save(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "preprocessor_config.json").is_file()
     tokenizer = load_tokenizer(str(tmp_path / "ckpt"))
@@ -86,6 +78,6 @@ def test_a_vlm_checkpoint_keeps_its_image_processor(vl_model, tmp_path):
     assert all(torch.equal(weights[name], tensor) for name, tensor in backend.named_weights().items())
 
 
-def test_a_critic_of_a_vlm_is_refused(vl_model):
+def test_a_critic_of_a_vlm_is_refused(vl_model_dir):
     with pytest.raises(ConfigError, match="value model .* of a vision-language model is not supported"):
-        TorchBackend(TrainerSettings(vl_model, value_head=True))
+        TorchBackend(TrainerSettings(vl_model_dir, value_head=True))

@@ -21,7 +21,6 @@ from rollflow.data.vision import (
 )
 from rollflow.data.visual_tasks import count_shapes_splits, draw_cells
 from rollflow.errors import DataError
-from rollflow.fresh_model import save_fresh_vl_model
 from rollflow.models import load_tokenizer
 from rollflow.pipelines.preflight import encode_prompts
 
@@ -29,16 +28,9 @@ TOKENS_PER_IMAGE = 16  # a 32x32 image: 8x8 patches of 4 pixels, merged 2x2
 
 
 @pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-vl")
-    save_fresh_vl_model(path, seed=0)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def encoder(vl_model):
-    tokenizer = load_tokenizer(vl_model)
-    return PromptEncoder(tokenizer, processor=load_vision_processor(vl_model, tokenizer))
+def encoder(vl_model_dir):
+    tokenizer = load_tokenizer(vl_model_dir)
+    return PromptEncoder(tokenizer, processor=load_vision_processor(vl_model_dir, tokenizer))
 
 
 def _image(colour=(230, 40, 40), cells=(0, 5)):
@@ -138,16 +130,16 @@ def test_a_prompt_whose_markers_disagree_with_its_images_is_refused(encoder):
         encoder.encode({"prompt": "<image> and <image>?", "images": [_image()]})
 
 
-def test_a_model_without_an_image_processor_is_one_line(tmp_path, vl_model):
+def test_a_model_without_an_image_processor_is_one_line(tmp_path, vl_model_dir):
     import shutil
 
-    shutil.copytree(vl_model, tmp_path / "m")
+    shutil.copytree(vl_model_dir, tmp_path / "m")
     (tmp_path / "m" / "preprocessor_config.json").unlink()
     with pytest.raises(DataError, match="has no image processor it can load"):
-        load_vision_processor(str(tmp_path / "m"), load_tokenizer(vl_model))
+        load_vision_processor(str(tmp_path / "m"), load_tokenizer(vl_model_dir))
 
 
-def test_the_trainer_scores_a_sampled_vlm_response_as_the_engine_did(vl_model, encoder):
+def test_the_trainer_scores_a_sampled_vlm_response_as_the_engine_did(vl_model_dir, encoder):
     """Rows with one image, two images and none, sampled n=2 by the hf engine (prefilled with the images,
     mrope positions, the KV cache shared by the group), then scored by the trainer's forward in one batch."""
     from rollflow.backends.logprobs import response_logprobs
@@ -160,7 +152,7 @@ def test_the_trainer_scores_a_sampled_vlm_response_as_the_engine_did(vl_model, e
             {"prompt": "How many red squares are there?"}]
     prompts = [encoder.encode(row) for row in rows]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3)
-    engine = create_engine("hf", model_path=vl_model)
+    engine = create_engine("hf", model_path=vl_model_dir)
     try:
         async def generate():
             return await asyncio.gather(*(engine.generate(GenerationRequest(f"r{i}", p.token_ids, params, p.vision))
@@ -174,7 +166,7 @@ def test_the_trainer_scores_a_sampled_vlm_response_as_the_engine_did(vl_model, e
                for prompt, completion in zip(prompts, completions) for out in completion.outputs]
     assert all(len(s.response_ids) > 0 for s in samples)
     batch = collate(samples, pad_token_id=encoder.tokenizer.pad_token_id)
-    model = load_causal_lm(vl_model)
+    model = load_causal_lm(vl_model_dir)
     with torch.no_grad():
         trainer = response_logprobs(model, batch)
         # the images matter: the same tokens with another image score differently

@@ -17,6 +17,7 @@ from rollflow.engines.sglang_engine import (
     sglang_image_data,
     sglang_sampling_params,
 )
+from tests.engines.vlm_parity import vlm_parity_gap
 
 
 def test_sampling_params_one_dict_per_sample_with_every_knob_explicit():
@@ -91,33 +92,13 @@ def test_a_vlm_request_sends_its_images_once_per_sample():
 
 
 @pytest.mark.gpu
-def test_sglang_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(tmp_path):
+def test_sglang_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(vl_model_dir):
     """Not run on this project's CPU machines: SGLang needs a CUDA GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("sglang")
-    from rollflow.backends.logprobs import response_logprobs
-    from rollflow.data.prompts import PromptEncoder
-    from rollflow.data.sample import Sample, collate
-    from rollflow.data.vision import load_vision_processor
-    from rollflow.data.visual_tasks import count_shapes_splits
     from rollflow.engines.sglang_engine import SGLangEngine
-    from rollflow.fresh_model import save_fresh_vl_model
-    from rollflow.models import load_causal_lm, load_tokenizer
 
-    save_fresh_vl_model(tmp_path, seed=0)
-    tokenizer = load_tokenizer(str(tmp_path))
-    encoder = PromptEncoder(tokenizer, processor=load_vision_processor(str(tmp_path), tokenizer))
-    prompt = encoder.encode(count_shapes_splits()[1][0])
-    engine = SGLangEngine(str(tmp_path), mem_fraction_static=0.25, disable_cuda_graph=True)
-    try:
-        request = GenerationRequest("vl", prompt.token_ids, SamplingParams(max_new_tokens=4, n=2), prompt.vision)
-        outputs = asyncio.run(engine.generate(request)).outputs
-    finally:
-        engine.close()
-    samples = [Sample(prompt.token_ids, list(o.token_ids), list(o.logprobs), [1] * len(o.token_ids),
-                      vision=prompt.vision) for o in outputs]
-    batch = collate(samples, pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer = response_logprobs(load_causal_lm(str(tmp_path)), batch)
-    assert ((trainer - batch.rollout_logprobs) * batch.response_mask).abs().max().item() < 1e-2
+    gap = vlm_parity_gap(lambda path: SGLangEngine(path, mem_fraction_static=0.25, disable_cuda_graph=True),
+                         vl_model_dir)
+    assert gap < 1e-2, gap

@@ -28,6 +28,7 @@ from rollflow.engines.vllm_engine import (
     weights_payload,
 )
 from rollflow.errors import ConfigError
+from tests.engines.vlm_parity import vlm_parity_gap
 
 
 def test_sampling_kwargs_map_every_field_and_ask_for_the_sampled_tokens_logprob():
@@ -199,7 +200,7 @@ def _torchvision_problem() -> str | None:
 
 
 @pytest.mark.vllm
-def test_vllm_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(tmp_path):
+def test_vllm_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(vl_model_dir):
     """vLLM (CPU build) on the fresh tiny Qwen2-VL: a count_shapes prompt with its image, sampled n=2; the
     trainer's forward scores the samples as vLLM did. Skipped where torchvision cannot be imported (this
     project's CPU machines: the registry's torchvision is built for CUDA torch)."""
@@ -208,32 +209,10 @@ def test_vllm_samples_a_vlm_prompt_with_the_logprobs_the_trainer_gives(tmp_path)
     problem = _torchvision_problem()
     if problem:
         pytest.skip(problem)
-    from rollflow.backends.logprobs import response_logprobs
-    from rollflow.data.prompts import PromptEncoder
-    from rollflow.data.sample import Sample, collate
-    from rollflow.data.vision import load_vision_processor
-    from rollflow.data.visual_tasks import count_shapes_splits
     from rollflow.engines.vllm_engine import VLLMEngine
-    from rollflow.fresh_model import save_fresh_vl_model
-    from rollflow.models import load_causal_lm, load_tokenizer
 
-    save_fresh_vl_model(tmp_path, seed=0)
-    tokenizer = load_tokenizer(str(tmp_path))
-    encoder = PromptEncoder(tokenizer, processor=load_vision_processor(str(tmp_path), tokenizer))
-    prompt = encoder.encode(count_shapes_splits()[1][0])
-    engine = VLLMEngine(str(tmp_path), dtype="float32")
-    try:
-        request = GenerationRequest("vl", prompt.token_ids, SamplingParams(max_new_tokens=4, n=2, seed=1),
-                                    prompt.vision)
-        outputs = _run(engine.generate(request)).outputs
-    finally:
-        engine.close()
-    samples = [Sample(prompt.token_ids, list(o.token_ids), list(o.logprobs), [1] * len(o.token_ids),
-                      vision=prompt.vision) for o in outputs]
-    batch = collate(samples, pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer = response_logprobs(load_causal_lm(str(tmp_path)), batch)
-    assert ((trainer - batch.rollout_logprobs) * batch.response_mask).abs().max().item() < 1e-3
+    gap = vlm_parity_gap(lambda path: VLLMEngine(path, dtype="float32"), vl_model_dir, seed=1)
+    assert gap < 1e-3, gap
 
 
 # ---- the real engine (vLLM's CPU build; the session's engine, tests/engines/conftest.py) ---------------------

@@ -13,7 +13,6 @@ from rollflow.data.vision import IMAGE_PAD, load_vision_processor
 from rollflow.engines.base import SamplingParams
 from rollflow.envs.frozenlake import FrozenLake
 from rollflow.errors import DataError
-from rollflow.fresh_model import save_fresh_vl_model
 from rollflow.models import load_tokenizer
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
@@ -24,16 +23,9 @@ IMAGE_ENV = {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 
 
 
 @pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-vl")
-    save_fresh_vl_model(path, seed=0)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def encoder(vl_model):
-    tokenizer = load_tokenizer(vl_model)
-    return TurnEncoder(tokenizer, processor=load_vision_processor(vl_model, tokenizer))
+def encoder(vl_model_dir):
+    tokenizer = load_tokenizer(vl_model_dir)
+    return TurnEncoder(tokenizer, processor=load_vision_processor(vl_model_dir, tokenizer))
 
 
 class RecordingEngine(ScriptedEngine):
@@ -110,12 +102,12 @@ def test_step_wise_samples_hold_the_boards_of_their_own_prompt(encoder, history_
         assert sample.prompt_ids in engine.prompts
 
 
-def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_model, encoder):
+def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_model_dir, encoder):
     from rollflow.backends.logprobs import response_logprobs
     from rollflow.engines import create_engine
     from rollflow.models import load_causal_lm
 
-    engine = create_engine("hf", model_path=vl_model)
+    engine = create_engine("hf", model_path=vl_model_dir)
     try:
         result = _play(Remote(engine), encoder, env={**IMAGE_ENV, "kwargs": {"size": 4, "max_turns": 6,
                                                                                 "observation": "image"}})
@@ -126,7 +118,7 @@ def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_m
     assert any(s.vision.num_images > 1 for s in samples)  # at least one multi-turn trajectory
     batch = collate(samples, pad_token_id=encoder.tokenizer.pad_token_id)
     with torch.no_grad():
-        trainer = response_logprobs(load_causal_lm(vl_model), batch)
+        trainer = response_logprobs(load_causal_lm(vl_model_dir), batch)
     mask = batch.response_mask > 0
     assert (trainer - batch.rollout_logprobs)[mask].abs().max().item() < 1e-4
 
