@@ -422,16 +422,16 @@ def vision_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         image_tokens = input_ids == image_token if image_token is not None else torch.zeros_like(input_ids,
                                                                                                  dtype=torch.bool)
     grids = None if vision is None else vision[1].to(input_ids.device)
+    merge = int(getattr(getattr(owner.config, "vision_config", None), "spatial_merge_size", 2))
+    features_count = 0 if grids is None else int((grids.prod(dim=-1) // merge**2).sum())
+    if features_count != int(image_tokens.sum()):  # before the rope index, which fails obscurely on it
+        raise ValueError(f"the images give {features_count} image features for {int(image_tokens.sum())} "
+                         "image tokens in the input ids")
     positions, deltas = owner.get_rope_index(input_ids, mm_token_type_ids=image_tokens.int(),
                                              image_grid_thw=grids, attention_mask=attention_mask)  # [3, B, L]
     embeds = owner.get_input_embeddings()(input_ids)  # [B, L, H]
-    if vision is not None or image_tokens.any():
-        features = torch.zeros(0, embeds.shape[-1], dtype=embeds.dtype, device=embeds.device)
-        if vision is not None:
-            output = owner.get_image_features(vision[0].to(input_ids.device), grids, return_dict=True)
-            features = torch.cat(list(output.pooler_output)).to(embeds.dtype)  # [image tokens, H]
-        if features.shape[0] != int(image_tokens.sum()):
-            raise ValueError(f"the images give {features.shape[0]} image features for {int(image_tokens.sum())} "
-                             "image tokens in the input ids")
+    if vision is not None:
+        output = owner.get_image_features(vision[0].to(input_ids.device), grids, return_dict=True)
+        features = torch.cat(list(output.pooler_output)).to(embeds.dtype)  # [image tokens, H]
         embeds = embeds.masked_scatter(image_tokens.unsqueeze(-1).expand_as(embeds), features)
     return {"input_ids": None, "inputs_embeds": embeds, "position_ids": positions}, deltas.reshape(-1)

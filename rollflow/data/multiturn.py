@@ -159,6 +159,11 @@ class TurnEncoder:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def holds_image_token(self, token_ids: list[int]) -> bool:
+        """Whether the model's `token_ids` hold the image-pad token (a vision-language policy): a trajectory
+        cannot go on after them, since every engine's next prefill would read that token as an image's."""
+        return self.processor is not None and self.processor.image_token_id in token_ids
+
     def vision(self, images: list) -> VisionInputs | None:
         """An observation's images (PIL images, PNG bytes, paths) processed for the policy; None without images.
 

@@ -196,6 +196,9 @@ class EnvGroups:
                     episode.status = SampleStatus.TRUNCATED if reply["truncated"] and not reply["terminated"] \
                         else SampleStatus.FINISHED
                     break
+                if settings.samples == "trajectory" and encoder.holds_image_token(output.token_ids):
+                    episode.status = SampleStatus.TRUNCATED  # the next turn's prefill would take it for an image
+                    break
                 history.append((seen, text))
                 history_visions.append(seen_vision)
                 observation = reply["observation"]

@@ -4,6 +4,8 @@ the trainer, and the trainer scores the model's tokens as the hf engine sampled 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -121,6 +123,37 @@ def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_m
         trainer = response_logprobs(load_causal_lm(vl_model_dir), batch)
     mask = batch.response_mask > 0
     assert (trainer - batch.rollout_logprobs)[mask].abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("samples, turns", [("trajectory", 1), ("step", 4)])
+def test_a_trajectory_ends_where_the_policy_wrote_the_image_pad_token(vl_model_dir, encoder, samples, turns):
+    """A trajectory whose model turn holds `<|image_pad|>` cannot go on: the next prefill would read that
+    token as an image's, and the hf engine refuses the prompt (one line, not the rope index's StopIteration).
+    It ends there (truncated) and trains as played; step-wise prompts re-render the turns as text (special
+    tokens dropped), so they go on."""
+    from rollflow.engines import create_engine
+    from rollflow.engines.base import GenerationRequest
+
+    engine = RecordingEngine("Right")
+    engine.action_ids = engine.action_ids[:-1] + [encoder.processor.image_token_id] + engine.action_ids[-1:]
+    result = _play(Remote(engine), encoder, samples=samples)
+    if samples == "trajectory":
+        assert [(s.status, s.metadata["turns"]) for s in result.samples] == [(SampleStatus.TRUNCATED, 1)] * 2
+    else:
+        assert sorted(s.metadata["turn"] for s in result.samples) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert len(engine.prompts) == 2 * turns
+    pad = encoder.processor.image_token_id
+    assert all(prompt.count(pad) == TOKENS_PER_BOARD * vision.num_images
+               for prompt, vision in zip(engine.prompts, engine.visions))
+    # what the next turn would have sent: the first prompt, the model's turn, the next observation
+    first, vision = engine.prompts[0], engine.visions[0]
+    stray = first + engine.action_ids + encoder.encode("Go on.")
+    hf = create_engine("hf", model_path=vl_model_dir)
+    try:
+        with pytest.raises(Exception, match="the images give 16 image features for 17 image tokens"):
+            asyncio.run(hf.generate(GenerationRequest("stray", stray, SamplingParams(2), vision)))
+    finally:
+        hf.close()
 
 
 def test_frozenlake_draws_its_board_and_refuses_an_unknown_observation_kind():
