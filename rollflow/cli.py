@@ -177,13 +177,20 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _new_model(args: argparse.Namespace) -> int:
+    from rollflow.errors import ConfigError
     from rollflow.fresh_model import save_fresh_model, save_fresh_vl_model
 
     given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
              "max_positions": args.max_positions}
     # Sizes left out take `fresh_qwen2_config`'s defaults, so they are written down in one place.
+    if args.rope_theta is not None and not args.vl:
+        raise ConfigError("--rope-theta is for --vl models (the text model keeps Qwen2's rotary base)")
+    if args.rope_theta is not None and not args.rope_theta > 0:
+        raise ConfigError(f"--rope-theta must be a positive number, got {args.rope_theta}")
     save = save_fresh_vl_model if args.vl else save_fresh_model
+    if args.vl and args.rope_theta is not None:
+        given["rope_theta"] = args.rope_theta
     num_params = save(args.out, seed=args.seed, **{name: value for name, value in given.items() if value is not None})
     print(f"model directory: {args.out}")
     print(f"parameters: {num_params:,}")
@@ -301,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--vl", action="store_true",
                      help="a Qwen2-VL vision-language model instead (the same language model sizes, a 2-block "
                      "vision tower, 32x32 images as 16 image tokens, and its image processor)")
+    new.add_argument("--rope-theta", type=float,
+                     help="with --vl: the language model's rotary base (default 1e6, the bundled tiny-vl's); 100 "
+                     "lets it tell an image's columns apart, which a board needs (docs/vlm.md)")
     new.set_defaults(handler=_new_model)
     from rollflow.envs.play import add_play_parser  # `rollflow env play ENV_ID`
 

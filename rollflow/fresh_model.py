@@ -124,7 +124,7 @@ def save_fresh_model(out_dir: str | Path, seed: int = 0, **sizes: int) -> int:
 def save_fresh_vl_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 4,
                         num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 512,
                         max_positions: int = 256, vision_depth: int = 2, vision_width: int = 64,
-                        vision_heads: int = 4, image_size: int = 32) -> int:
+                        vision_heads: int = 4, image_size: int = 32, rope_theta: float = 1e6) -> int:
     """Randomly initialize a small Qwen2-VL (the architecture of `Qwen2VLForConditionalGeneration`) and save
     it in HF format with the ASCII tokenizer plus the vision tokens (`build_ascii_vl_tokenizer`) and its image
     processor (`preprocessor_config.json`).
@@ -134,6 +134,14 @@ def save_fresh_vl_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 1
     `vision_width`, and merges 2x2 patches into one token of the language model's width: a 32x32 image is
     64 patches and 16 tokens. The image processor resizes every image to about `image_size` squared pixels
     (sides rounded to multiples of 8).
+
+    `rope_theta` is the language model's rotary base (the bundled tiny-vl's: 1e6, Qwen2's). Qwen2-VL's
+    multimodal rope gives an image's rows and columns the rotary pairs of the lowest frequencies, so at 1e6
+    and this head size (16 pairs) two columns of a 4x4 image differ by under 1e-3 radians: the model counts
+    the squares of a colour but can not tell where one is. Measured with a plain transformers loop
+    (December 2026, chance 25%): which column a red square is in, 38% after 500 steps at 1e6, 100% after 300 at
+    100. A task that needs positions (a board) wants `rope_theta` 100; counting learns better at 1e6 (the
+    VLM quickstart's GRPO: 0.47 -> 0.58 at 100 against 0.48 -> 0.95 at 1e6).
 
     Returns:
         The number of parameters (tied embeddings counted once).
@@ -161,7 +169,8 @@ def save_fresh_vl_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 1
            ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
     config = Qwen2VLConfig(
         text_config={**text.to_dict(), "model_type": "qwen2_vl_text",
-                     "rope_scaling": {"type": "mrope", "mrope_section": sections}},
+                     "rope_scaling": {"type": "mrope", "mrope_section": sections,
+                                      "rope_theta": float(rope_theta)}},
         vision_config={"depth": vision_depth, "embed_dim": vision_width, "hidden_size": hidden_size,
                        "num_heads": vision_heads, "mlp_ratio": 2, "patch_size": 4, "spatial_merge_size": 2,
                        "temporal_patch_size": 2, "in_channels": 3},

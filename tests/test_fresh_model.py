@@ -137,3 +137,29 @@ def test_cli_bad_sizes_are_one_line_and_exit_2(tmp_path, capsys, flags, message)
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and message in error
     assert not (tmp_path / "model").exists()
+
+
+def test_cli_vl_rope_theta_sets_the_language_models_rotary_base(tmp_path, capsys):
+    small = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64"]
+    assert main(["new-model", "--vl", "--out", str(tmp_path / "theta"), "--rope-theta", "100", *small]) == 0
+    assert main(["new-model", "--vl", "--out", str(tmp_path / "default"), *small]) == 0
+    capsys.readouterr()
+    thetas = {}
+    for name in ("theta", "default"):
+        model = load_causal_lm(str(tmp_path / name))
+        thetas[name] = model.config.text_config.rope_parameters["rope_theta"]
+        # The rotary base reaches the rotary embedding itself, not only the config.
+        inv_freq = model.model.language_model.rotary_emb.inv_freq
+        assert inv_freq[-1].item() == pytest.approx(thetas[name] ** (-(len(inv_freq) - 1) / len(inv_freq)), rel=1e-4)
+    assert thetas == {"theta": 100.0, "default": 1e6}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rope-theta", "100"], "--rope-theta is for --vl models"),
+    (["--vl", "--rope-theta", "0"], "--rope-theta must be a positive number"),
+])
+def test_cli_rope_theta_misuse_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    assert main(["new-model", "--out", str(tmp_path / "model"), *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error
+    assert not (tmp_path / "model").exists()
