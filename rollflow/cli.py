@@ -182,15 +182,11 @@ def _new_model(args: argparse.Namespace) -> int:
 
     given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
-             "max_positions": args.max_positions}
+             "max_positions": args.max_positions, "rope_theta": args.rope_theta}
     # Sizes left out take `fresh_qwen2_config`'s defaults, so they are written down in one place.
     if args.rope_theta is not None and not args.vl:
         raise ConfigError("--rope-theta is for --vl models (the text model keeps Qwen2's rotary base)")
-    if args.rope_theta is not None and not args.rope_theta > 0:
-        raise ConfigError(f"--rope-theta must be a positive number, got {args.rope_theta}")
     save = save_fresh_vl_model if args.vl else save_fresh_model
-    if args.vl and args.rope_theta is not None:
-        given["rope_theta"] = args.rope_theta
     num_params = save(args.out, seed=args.seed, **{name: value for name, value in given.items() if value is not None})
     print(f"model directory: {args.out}")
     print(f"parameters: {num_params:,}")

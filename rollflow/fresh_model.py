@@ -162,6 +162,8 @@ def save_fresh_vl_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 1
     sections = [half_head - 2 * (half_head * 3 // 8), half_head * 3 // 8, half_head * 3 // 8]
     if vision_width % vision_heads or (vision_width // vision_heads) % 2:
         raise ConfigError(f"vision_width {vision_width} / vision_heads {vision_heads} must be a whole, even head size")
+    if not (isinstance(rope_theta, (int, float)) and 0 < rope_theta < float("inf")):
+        raise ConfigError(f"rope_theta must be a positive, finite number, got {rope_theta!r}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         what = "a directory that is not empty" if out_dir.is_dir() else "a file"
         raise ConfigError(f"{out_dir} is {what}; give a new or empty directory")

@@ -156,7 +156,8 @@ def test_cli_vl_rope_theta_sets_the_language_models_rotary_base(tmp_path, capsys
 
 @pytest.mark.parametrize("flags, message", [
     (["--rope-theta", "100"], "--rope-theta is for --vl models"),
-    (["--vl", "--rope-theta", "0"], "--rope-theta must be a positive number"),
+    (["--vl", "--rope-theta", "0"], "rope_theta must be a positive, finite number, got 0.0"),
+    (["--vl", "--rope-theta", "nan"], "rope_theta must be a positive, finite number, got nan"),
 ])
 def test_cli_rope_theta_misuse_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
     assert main(["new-model", "--out", str(tmp_path / "model"), *flags]) == 2
