@@ -269,8 +269,8 @@ class Sandbox:
                 process, stdin, limits.wall_time_s, limits.max_output_bytes
             )
             returncode = None if (timed_out or output_limited) else process.returncode
-            if returncode is not None and self.isolation == "bwrap" and returncode > 128:
-                returncode = -(returncode - 128)  # bwrap reports a child killed by signal N as 128 + N
+            if returncode is not None and self.isolation in ("bwrap", "unshare") and returncode > 128:
+                returncode = -(returncode - 128)  # bwrap and the unshare shell report signal N as 128 + N
             if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and self._cpu_exhausted(limits, start):
                 timed_out = True
             return SandboxResult(
@@ -334,8 +334,11 @@ class Sandbox:
             tmpfs = f"mount -t tmpfs -o size={limits.tmp_bytes},mode=1777 tmpfs"
             script = (
                 f'{tmpfs} /dev/shm && mkdir /dev/shm/work && mount --bind "$PWD" /dev/shm/work && '
-                f'{tmpfs} /tmp && cd /dev/shm/work && export PWD=/dev/shm/work && exec "$@"'
+                f'{tmpfs} /tmp && cd /dev/shm/work && export PWD=/dev/shm/work && {{ "$@"; exit $?; }}'
             )
+            # Not `exec`: the program would be the namespace's pid 1, which no signal without a handler reaches
+            # from inside (its own `os.kill(os.getpid(), 9)` did nothing and it exited 0). The shell stays pid 1
+            # and reports a child killed by signal N as 128 + N, as bwrap does.
             inner = ["unshare", *UNSHARE_ARGS, "/bin/sh", "-c", script, "sh", *drop, *argv]
         else:
             inner = drop + argv

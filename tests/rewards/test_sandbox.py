@@ -83,6 +83,10 @@ def test_weaker_levels_still_enforce_limits_and_clean_up(level):
     assert detached.ok
     assert sandbox.run_python("while True:\n    pass").timed_out
     assert sandbox.run_python("print('x' * 10**6)").output_limited
+    # A program that kills itself is reported as killed (under unshare it is not the namespace's pid 1,
+    # which would be immune to its own SIGKILL and exit 0), and an exit status is its own.
+    assert sandbox.run_python("import os\nos.kill(os.getpid(), 9)").returncode == -9
+    assert sandbox.run_python("import sys\nsys.exit(7)").returncode == 7
     assert not any(_cmdline_has(pid, b"sleep\x001000") for pid in _all_pids())
 
 
