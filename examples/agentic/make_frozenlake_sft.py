@@ -23,12 +23,15 @@ import json
 import random
 from pathlib import Path
 
+import yaml
+
 from rollflow.envs.make import make_env
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 
 
-SYSTEM_VL = "Grid image: red you, light blue ice, dark blue hole, green goal. Reply Left, Down, Right or Up."
+# The VL agentic config's own system prompt, read from it so the SFT prompt cannot drift from the RL one.
+VL_CONFIG = Path(__file__).resolve().parents[1] / "agentic_frozenlake_vl.yaml"
 
 
 def mistaken(grid: str, mistake_rate: float) -> str | None:
@@ -40,9 +43,10 @@ def mistaken(grid: str, mistake_rate: float) -> str | None:
 
 
 def expert_rows(seed: int, mistake_rate: float, env_kwargs: dict, max_turns: int,
-                image_dir: Path | None = None) -> list[dict]:
+                image_dir: Path | None = None, system: str | None = None) -> list[dict]:
     """The steps of one episode of map `seed`, played by the mistaken expert; with `image_dir`, image steps
-    (each board saved there as a PNG, named relative to its parent, the dataset's directory)."""
+    (each board saved there as a PNG, named relative to its parent, the dataset's directory) under the
+    `system` prompt."""
     env = make_env("frozenlake", **env_kwargs)
     observation, info = env.reset(seed=seed)
     rows = []
@@ -52,7 +56,7 @@ def expert_rows(seed: int, mistake_rate: float, env_kwargs: dict, max_turns: int
         if image_dir is not None:
             name = f"{seed}_{turn}.png"
             info["images"][0].save(image_dir / name)
-            row = {"messages": [{"role": "system", "content": SYSTEM_VL}, *row["messages"]],
+            row = {"messages": [{"role": "system", "content": system}, *row["messages"]],
                    "images": [f"{image_dir.name}/{name}"]}
         rows.append(row)
         observation, _, terminated, truncated, info = env.step(action)
@@ -76,11 +80,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env_kwargs = {"size": args.size, "max_turns": args.max_turns, "observation": args.observation}
     image_dir = out / "images" if args.observation == "image" else None
+    system_vl = None
     if image_dir is not None:
         image_dir.mkdir(exist_ok=True)
+        system_vl = yaml.safe_load(VL_CONFIG.read_text())["env"]["system_prompt"]
     splits = {"train": range(args.maps), "eval": range(500_000, 500_000 + args.eval_maps)}
     for split, seeds in splits.items():
-        rows = [row for seed in seeds for row in expert_rows(seed, args.mistake_rate, env_kwargs, args.max_turns, image_dir)]
+        rows = [row for seed in seeds
+                for row in expert_rows(seed, args.mistake_rate, env_kwargs, args.max_turns, image_dir, system_vl)]
         random.Random(0).shuffle(rows)
         with open(out / f"{split}.jsonl", "w") as file:
             for row in rows:

@@ -338,7 +338,8 @@ class Sandbox:
             )
             # Not `exec`: the program would be the namespace's pid 1, which no signal without a handler reaches
             # from inside (its own `os.kill(os.getpid(), 9)` did nothing and it exited 0). The shell stays pid 1
-            # and reports a child killed by signal N as 128 + N, as bwrap does.
+            # and reports a child killed by signal N as 128 + N, as bwrap does (the `exit` keeps dash from
+            # exec-ing a last command).
             inner = ["unshare", *UNSHARE_ARGS, "/bin/sh", "-c", script, "sh", *drop, *argv]
         else:
             inner = drop + argv
