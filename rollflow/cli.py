@@ -24,7 +24,7 @@ _ANONYMOUS_PARTS = {"", ".", "..", "model", "merged", "checkpoints"}
 def _train(args: argparse.Namespace) -> int:
     """Run the pipeline the config names (`pipeline:`, default rlvr) through `rollflow.pipelines.PIPELINES`."""
     from rollflow.config import dump_config, load_config
-    from rollflow.errors import RollflowError
+    from rollflow.errors import RollflowError, WorkerDiedError
     from rollflow.pipelines import PIPELINES
 
     overrides = args.overrides
@@ -51,6 +51,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         final = pipeline.runner()(config)
     except RollflowError as err:
+        if isinstance(err, WorkerDiedError):
+            err.args = (f"{err}; {_checkpoint_note(config.run_dir)}",)
         _keep_worker_traceback(err, config.run_dir)
         raise
     print(f"run directory: {config.run_dir}")
@@ -119,6 +121,16 @@ def _keep_worker_traceback(err: BaseException, run_dir) -> None:
     except OSError:
         return
     err.args = (f"{err} ({getattr(err, 'details_label', 'worker traceback')}: {path})",)
+
+
+def _checkpoint_note(run_dir: Path) -> str:
+    """What a run that died leaves to resume from: its newest complete checkpoint, or none."""
+    from rollflow.pipelines.run_directory import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        return "no checkpoint was saved yet"
+    return f"the last checkpoint, {checkpoint.name}, is intact (resume=true continues from it)"
 
 
 def _eval_overrides(args: argparse.Namespace) -> list[str]:

@@ -99,6 +99,14 @@ class StepFailedError(RollflowError):
         self.details = details
 
 
+class RunDirUnwritableError(RollflowError):
+    """A file of the run directory could not be written any more (its permissions changed, its file system was
+    remounted read-only) while the run ran (exit status 1). Before a run starts, an unwritable `output.dir` is
+    a `ConfigError`."""
+
+    exit_code = 1
+
+
 class DiskFullError(RollflowError):
     """The disk (or the user's quota) filled up while the run wrote a file of its run directory: a fault of the
     run, not of its input (exit status 1)."""

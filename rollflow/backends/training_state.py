@@ -123,7 +123,7 @@ def save_training_state(state: dict[str, Any], path: str | Path) -> None:
     Given a path, torch's own C++ writer reports a full disk (or quota) only as `[enforce fail at
     inline_container.cc] unexpected pos ...`; through a Python file the write that failed raises `OSError`
     (ENOSPC, EDQUOT), which is what is raised here, and what the driver recognizes as a full disk
-    (`rollflow.trackers.durable_files.disk_full_error`) across the Ray boundary.
+    (`rollflow.trackers.durable_files.write_failure_error`) across the Ray boundary.
     """
     try:
         with open(path, "wb") as out:

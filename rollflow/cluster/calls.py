@@ -89,8 +89,8 @@ def map_ray_error(err: BaseException, role: str, index: int, method: str) -> Rol
         details = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # without Ray's terminal colours
         return WorkerError(f"{role} worker {index} failed in {method}: {one_line(cause)}", details=details)
     if isinstance(err, DEATH_ERRORS):
-        return WorkerDiedError(f"{role} worker {index} died during {method} (killed, or out of memory?); the "
-                               "last checkpoint is intact", details=str(err))
+        return WorkerDiedError(f"{role} worker {index} died during {method} (killed, or out of memory?)",
+                               details=str(err))
     if isinstance(err, RollflowError):
         return err
     details = "".join(traceback.format_exception(type(err), err, err.__traceback__))

@@ -33,6 +33,7 @@ from rollflow.pipelines.run_directory import (
     save_checkpoint,
     write_placement,
 )
+from rollflow.pipelines.run_health import NoSignalWatch
 from rollflow.spans import record, span
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.plots import plot_curves
@@ -147,6 +148,7 @@ class Driver:
     colocation: ColocationManager
     tracker: MetricsTracker
     stop: StopSignals
+    no_signal: NoSignalWatch = field(default_factory=NoSignalWatch)
 
 
 @pinned_threads(1)  # the driver only routes and scores; workers do the heavy lifting
@@ -170,9 +172,14 @@ def run_pipeline(step: PipelineStep, manage_ray: bool = True) -> dict[str, float
         prepared = prepare_run_dir(step.config)
     config = step.config
     launch = launch or RoleLaunch(config, roles, step.role_args(), manage_ray)
-    with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
-            launch.running(worker_spans.take_from) as groups:
-        final = run_with_workers(step, groups, stop, prepared)
+    try:
+        with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
+                launch.running(worker_spans.take_from) as groups:
+            final = run_with_workers(step, groups, stop, prepared)
+    except KeyboardInterrupt:  # an interrupted run draws what it logged too (not where the disk refuses)
+        with contextlib.suppress(OSError):
+            plot_curves(config.run_dir, step.plot_keys)
+        raise
     # drawn once the workers stopped: drawing adds nothing to the run's peak memory
     plot_curves(config.run_dir, step.plot_keys)
     return final
@@ -201,10 +208,11 @@ def run_with_workers(step: PipelineStep, groups: WorkerGroups, stop: StopSignals
         except KeyboardInterrupt:  # a stop signal: `Interrupted`, or what ray.get makes of it
             save_on_interrupt(driver, progress)
             raise
+        # before `close`: the final evals (the best checkpoint's) still use what `start` built
+        final = {**{f"initial_{k}": v for k, v in progress.initial_eval.items()}, **progress.metrics}
+        final.update(step.after_run(progress))
     finally:
         step.close()
-    final = {**{f"initial_{k}": v for k, v in progress.initial_eval.items()}, **progress.metrics}
-    final.update(step.after_run(progress))
     if progress.stopped and progress.finished_step < config.train.steps:
         tracker.print(f"stopped after step {progress.finished_step} of {config.train.steps}: {progress.stopped}")
     for line in step.summary_lines(final, progress):
@@ -244,6 +252,9 @@ def run_step(step: PipelineStep, driver: Driver, progress: Progress, number: int
         metrics["time/step"] = time.perf_counter() - started
         with span("log"):
             tracker.log(number, metrics)
+            warning = driver.no_signal.check(number, metrics)
+            if warning:
+                print(f"rollflow: warning: {warning}", file=sys.stderr, flush=True)
             samples = step.logged_samples(work)
             if samples is not None:
                 write_samples(config.run_dir / "samples.jsonl", number, samples, len(samples))

@@ -21,7 +21,7 @@ from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RunConfigBase, dump_config
 from rollflow.engines import check_engine_installed
 from rollflow.errors import ConfigError, RollflowError
-from rollflow.trackers.durable_files import disk_full_as_error, truncate_records, write_atomically
+from rollflow.trackers.durable_files import truncate_records, write_atomically, write_failure_as_error
 
 DRIVER_STATE = "driver_state.json"
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # a `step` per record, cut back on resume
@@ -133,7 +133,7 @@ def prepare_run_dir(config: RunConfigBase) -> PreparedRunDir:
         aside = _first_free_sibling(run_dir)
         run_dir.rename(aside)
         note = f"{run_dir} held an earlier run: moved it to {aside} (resume=true continues a run instead)"
-    with disk_full_as_error(run_dir):
+    with write_failure_as_error(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(run_dir / "config.yaml", dump_config(config))
     return PreparedRunDir(resume_from, resumed_at, note)
@@ -143,7 +143,7 @@ def save_checkpoint(run_dir: Path, groups: WorkerGroups, state: dict) -> Path:
     """`checkpoints/step_N`: model (HF format) + optimizer/RNG from the trainer (and critic), then the
     driver's `state` (written last: it marks the checkpoint complete). Raises DiskFullError on a full disk."""
     path = run_dir / "checkpoints" / f"step_{state['step']}"
-    with disk_full_as_error(path):
+    with write_failure_as_error(path):
         path.mkdir(parents=True, exist_ok=True)
         groups["actor_train"].call("save", str(path / "model"))
         if "critic" in groups:

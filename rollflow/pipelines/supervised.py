@@ -39,7 +39,7 @@ from rollflow.pipelines.phases import (
 from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
 from rollflow.registry import Registry
 from rollflow.spans import span
-from rollflow.trackers.durable_files import disk_full_as_error
+from rollflow.trackers.durable_files import write_failure_as_error
 from rollflow.trackers.trackers import DPO_COLUMNS, SUPERVISED_COLUMNS
 from rollflow.workers.objectives import pair_logratios
 from rollflow.workers.roles import forward_rows
@@ -338,12 +338,15 @@ def repetition_warning(config, num_rows: int) -> str | None:
     under a recipe written for a large one (docs/sft.md's 600 steps of 128 rows are 6.5 passes over its word
     problems, and 135 over 570 rows, which SFT then memorises: held-out loss rising, RL left all-correct
     groups). None too when the run ends itself on an eval (`stop_at_accuracy`, `early_stopping_patience`): its
-    step count is then a bound, not a plan."""
+    step count is then a bound, not a plan; and when a validation split chooses the checkpoint
+    (`best_checkpoint_metric`): what memorising costs, it does not keep."""
     train = config.train
     passes = train.steps * train.batch_size / num_rows
-    if passes <= EXPOSURE_WARNING_EPOCHS or train.stop_at_accuracy is not None or train.early_stopping_patience:
+    if passes <= EXPOSURE_WARNING_EPOCHS or train.stop_at_accuracy is not None or train.early_stopping_patience \
+            or train.best_checkpoint_metric is not None:
         return None
-    hint = ("" if config.data.has_validation else
+    hint = ("; keep the best checkpoint on the validation split (train.best_checkpoint_metric), "
+            if config.data.has_validation else
             "; carve a validation split (data.validation_fraction: 0.1) and keep the best checkpoint on it "
             "(train.best_checkpoint_metric), ")
     return (f"train.steps={config.train.steps} x train.batch_size={config.train.batch_size} trains on each of "
@@ -376,7 +379,19 @@ def describe_eval(what: str, metrics: dict[str, float]) -> str:
 class BestCheckpoint:
     """`train.best_checkpoint_metric` and `train.early_stopping_patience`: the best validation eval so far, its
     checkpoint in `checkpoints/best/` (the model in `best/model`, its step in `best/best.json`), and how many
-    evals have passed without a new best."""
+    evals have passed without progress.
+
+    The rule (docs/sft.md#early-stopping): a new best is a better value of the metric, or, for `val/accuracy`,
+    the same accuracy at a lower `val/loss` (a tie goes to the later, better-fitted model, not to step 0).
+    Patience counts evals in a row in which no validation metric set a record: not the chosen metric, not the
+    lowest `val/loss`, not the highest `val/accuracy`. So a run whose accuracy sits at 0 while its loss still
+    falls, as it does on a task the model has yet to start solving, is not stopped before its accuracy could
+    move.
+    """
+
+    # the validation metrics whose records reset the patience, each with the sign of "better": lower loss, higher
+    # accuracy
+    RECORDS = {"val/loss": -1.0, "val/accuracy": 1.0}
 
     def __init__(self, config):
         self.metric = config.train.best_checkpoint_metric
@@ -384,41 +399,64 @@ class BestCheckpoint:
         self.path = config.run_dir / "checkpoints" / "best"
         self.step: int | None = None
         self.value = math.nan
+        self.loss = math.nan  # val/loss at the best step: the tie-break of val/accuracy
         self.since = 0
+        self.records: dict[str, list] = {}  # metric -> [its best value so far, the step of it]
 
     def state(self) -> dict | None:
         """What a checkpoint's driver state keeps of it, so a resumed run goes on choosing."""
-        return None if self.step is None else {"step": self.step, "value": self.value, "since": self.since}
+        return None if self.step is None else {"step": self.step, "value": self.value, "since": self.since,
+                                               "loss": self.loss, "records": self.records}
 
     def restore(self, state: dict | None) -> None:
         if state:
             self.step, self.value, self.since = state["step"], state["value"], state["since"]
+            self.loss, self.records = state.get("loss", math.nan), state.get("records", {})
 
     def update(self, step: int, metrics: dict[str, float], groups: WorkerGroups) -> str:
         """Keep the trainer's weights when `metrics` holds a new best (saved over the old best). Returns why the
-        run should stop (`early_stopping_patience` evals without one), or ""."""
+        run should stop (`early_stopping_patience` evals without a record), or ""."""
         if self.metric is None or self.metric not in metrics:
             return ""
-        value = metrics[self.metric]
-        if self.step is None or (value < self.value if self.metric == "val/loss" else value > self.value):
-            self._save(step, value, groups)
+        value, loss = metrics[self.metric], metrics.get("val/loss", math.nan)
+        recorded = self._new_records(step, metrics)
+        if self.step is None or self._better(value, loss):
+            self._save(step, value, loss, groups)
             return ""
-        self.since += 1
+        self.since = 0 if recorded else self.since + 1
         if self.patience is not None and self.since >= self.patience:
-            return (f"{self.metric} has not improved on {self.value:.4g} (step {self.step}) for {self.since} "
-                    "evals (train.early_stopping_patience)")
+            records = ", ".join(f"{name} {best:.4g} (step {at})" for name, (best, at) in self.records.items())
+            return (f"no validation metric improved for {self.since} evals (train.early_stopping_patience; "
+                    f"best so far: {records})")
         return ""
 
-    def _save(self, step: int, value: float, groups: WorkerGroups) -> None:
+    def _better(self, value: float, loss: float) -> bool:
+        if self.metric == "val/loss":
+            return value < self.value
+        return value > self.value or (value == self.value and loss < self.loss)  # nan compares False: no tie-break
+
+    def _new_records(self, step: int, metrics: dict[str, float]) -> bool:
+        """Note the validation metrics' records. Returns whether `metrics` set one."""
+        recorded = False
+        for name, sign in self.RECORDS.items():
+            value = metrics.get(name)
+            if value is None or not math.isfinite(value):
+                continue
+            if name not in self.records or sign * (value - self.records[name][0]) > 0:
+                self.records[name] = [value, step]
+                recorded = True
+        return recorded
+
+    def _save(self, step: int, value: float, loss: float, groups: WorkerGroups) -> None:
         partial = self.path.with_name("best.partial")
         shutil.rmtree(partial, ignore_errors=True)
-        with span("checkpoint"), disk_full_as_error(partial):
+        with span("checkpoint"), write_failure_as_error(partial):
             partial.mkdir(parents=True)
             groups["actor_train"].call("save", str(partial / "model"))
             (partial / "best.json").write_text(json.dumps({"step": step, "metric": self.metric, "value": value}))
             shutil.rmtree(self.path, ignore_errors=True)
             partial.rename(self.path)
-        self.step, self.value, self.since = step, value, 0
+        self.step, self.value, self.loss, self.since = step, value, loss, 0
 
     def evaluate(self, groups: WorkerGroups, colocation: ColocationManager,
                  evaluate_splits: Callable[..., dict[str, float]], last_step: int,

@@ -338,6 +338,9 @@ class RolloutCore:
         self._thread.join(timeout=10)
 
     def _run(self, coroutine: Coroutine, timeout_s: float | None = None) -> Any:
+        if not self.loop.is_running():  # closed: a coroutine sent to the stopped loop would wait forever
+            coroutine.close()
+            raise RuntimeError("the rollout core is closed: nothing can play on it any more")
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     # ---- what the program's `Play` reports --------------------------------------------------------------------

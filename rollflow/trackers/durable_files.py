@@ -4,7 +4,9 @@ JSONL logs (`metrics.jsonl`, `samples.jsonl`) grow by whole records: each append
 lines to an O_APPEND descriptor, so a killed process leaves at most a torn last line, which `read_records`
 ignores and `truncate_records` removes. Whole files (`config.yaml`, `placement.json`, a checkpoint's
 `driver_state.json`) are replaced atomically: written to a temporary sibling, then renamed over the target.
-A full disk or quota surfaces as one `DiskFullError` naming the file.
+A full disk or quota surfaces as one `DiskFullError` naming the file, and a directory that stopped being
+writable during the run (its permissions changed, its file system remounted read-only) as one
+`RunDirUnwritableError`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollflow.errors import DiskFullError
+from rollflow.errors import DiskFullError, RunDirUnwritableError
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+UNWRITABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# How a refused write reads as text (a worker's PermissionError inside a remote traceback).
+UNWRITABLE_MESSAGES = ("Permission denied", "Read-only file system", "Operation not permitted")
 # How a full disk reads when it comes back as text: torch.save / save_pretrained in a worker (torch's zip
 # writer, safetensors' Rust IoError) and the OS messages of ENOSPC and EDQUOT inside a remote traceback.
 DISK_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "PytorchStreamWriter failed writing file",
@@ -31,29 +36,43 @@ TORCH_WRITE_FAILURES = ("unexpected pos",)
 NEARLY_FULL_BYTES = 16 * 2**20
 
 
-def disk_full_error(err: BaseException, path: Path | str) -> DiskFullError | None:
-    """The one-line `DiskFullError` for `err` when it means the disk (or quota) is full, else None.
+def write_failure_error(err: BaseException, path: Path | str) -> DiskFullError | RunDirUnwritableError | None:
+    """The one-line error for `err` when it means the disk (or quota) is full (`DiskFullError`) or the path
+    cannot be written (`RunDirUnwritableError`), else None.
 
     Recognizes an `OSError` with errno ENOSPC / EDQUOT anywhere in the exception's chain, and the messages
     torch and safetensors raise when a save runs out of space, including inside a Ray worker's traceback;
-    torch's `unexpected pos` (a write of its zip writer that fell short) when `path`'s file system is full.
+    torch's `unexpected pos` (a write of its zip writer that fell short) when `path`'s file system is full;
+    then EACCES / EPERM / EROFS, or their messages in a worker's traceback.
 
     Args:
         err: the exception a write raised (a worker's, through `ray.get`, included).
         path: the file or directory being written, named in the message.
     """
-    seen: set[int] = set()
-    cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    for cause in _chain(err):
         if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
             return DiskFullError(f"no space left on device writing {path}")
         if any(message in str(cause) for message in DISK_FULL_MESSAGES):
             return DiskFullError(f"no space left on device writing {path}")
         if any(message in str(cause) for message in TORCH_WRITE_FAILURES) and _nearly_full(path):
             return DiskFullError(f"no space left on device writing {path}")
-        cause = cause.__cause__ or cause.__context__ or getattr(cause, "cause", None)
+    for cause in _chain(err):
+        if isinstance(cause, OSError) and cause.errno in UNWRITABLE_ERRNOS or \
+                any(message in str(cause) for message in UNWRITABLE_MESSAGES):
+            reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else "permission denied"
+            return RunDirUnwritableError(f"cannot write {path}: {reason} (the directory stopped being writable "
+                                         "while the run ran: its permissions or its mount changed)")
     return None
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then its causes and contexts (a Ray error's `cause` too), each once."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__ or getattr(cause, "cause", None)
 
 
 def _nearly_full(path: Path | str) -> bool:
@@ -69,16 +88,16 @@ def _nearly_full(path: Path | str) -> bool:
 
 
 @contextlib.contextmanager
-def disk_full_as_error(path: Path | str) -> Iterator[None]:
-    """Turn an exception of the block that means a full disk (see `disk_full_error`) into the one-line
-    `DiskFullError` naming `path`; any other exception passes unchanged.
+def write_failure_as_error(path: Path | str) -> Iterator[None]:
+    """Turn an exception of the block that means a full disk or an unwritable path (see `write_failure_error`)
+    into its one-line error naming `path`; any other exception passes unchanged.
 
-    Wrap a worker call too: `with disk_full_as_error(checkpoint): actor.call("save", ...)`.
+    Wrap a worker call too: `with write_failure_as_error(checkpoint): actor.call("save", ...)`.
     """
     try:
         yield
     except Exception as err:
-        full = disk_full_error(err, path)
+        full = write_failure_error(err, path)
         if full is None:
             raise
         raise full from err
@@ -92,7 +111,7 @@ def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
     only creates the file.
     """
     data = "".join(json.dumps(record) + "\n" for record in records).encode()
-    with disk_full_as_error(path):
+    with write_failure_as_error(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             written = os.write(fd, data)
@@ -129,7 +148,7 @@ def write_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text` so that readers (and a later crash) see the old file or the new one, never a
     part: write a temporary sibling, fsync it, rename it over `path`."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with disk_full_as_error(path):
+    with write_failure_as_error(path):
         try:
             with temporary.open("w") as out:
                 out.write(text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rollflow.trackers.durable_files import disk_full_as_error, read_records
+from rollflow.trackers.durable_files import read_records, write_failure_as_error
 
 
 class Panel(NamedTuple):
@@ -73,6 +73,6 @@ def plot_curves(run_dir: Path, keys: tuple[str, ...] = ("reward/mean", "eval/acc
     if figure is None:
         return None
     out = Path(run_dir) / "curves.png"
-    with disk_full_as_error(out):
+    with write_failure_as_error(out):
         figure.savefig(out, dpi=100)
     return out

@@ -1,7 +1,7 @@
 """A full disk while a checkpoint is saved is `no space left on device writing ...`, also when torch.save is
 what fills it, in a worker behind Ray: torch's own file writer reports a failed write only as `[enforce fail at
 inline_container.cc] unexpected pos ...`, so the trainer's state is written through a Python file
-(`save_training_state`), whose failed write raises OSError ENOSPC; and `disk_full_error` takes torch's message
+(`save_training_state`), whose failed write raises OSError ENOSPC; and `write_failure_error` takes torch's message
 for a full disk when the file system is full.
 
 No real disk is filled: `/dev/full` (every write fails with ENOSPC) stands in through a symlink, or a small
@@ -20,7 +20,7 @@ from rollflow.cluster.groups import spawn_group
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.errors import DiskFullError
 from rollflow.pipelines.run_directory import save_checkpoint
-from rollflow.trackers.durable_files import disk_full_error
+from rollflow.trackers.durable_files import write_failure_error
 from tests.conftest import mounted_tmpfs
 
 
@@ -37,7 +37,7 @@ def test_a_full_disk_under_the_trainer_state_raises_enospc(random_model_dir, tmp
     with pytest.raises(OSError) as error:  # was: RuntimeError "[enforce fail ...] unexpected pos 576 vs 534"
         backend.save(checkpoint)
     assert error.value.errno == errno.ENOSPC
-    assert str(disk_full_error(error.value, tmp_path / "step_1")) == \
+    assert str(write_failure_error(error.value, tmp_path / "step_1")) == \
         f"no space left on device writing {tmp_path / 'step_1'}"
 
 
@@ -51,9 +51,9 @@ def small_tmpfs(tmp_path):
 def test_torchs_own_writer_on_a_full_file_system_is_a_full_disk(small_tmpfs, tmp_path):
     with pytest.raises(RuntimeError, match="unexpected pos") as error:
         torch.save({"x": torch.zeros(100_000)}, small_tmpfs / "trainer_state.pt")  # 400 KB into 64 KiB
-    assert str(disk_full_error(error.value, small_tmpfs / "step_1")) == \
+    assert str(write_failure_error(error.value, small_tmpfs / "step_1")) == \
         f"no space left on device writing {small_tmpfs / 'step_1'}"
-    assert disk_full_error(error.value, tmp_path) is None  # the same words where there is room: not a full disk
+    assert write_failure_error(error.value, tmp_path) is None  # the same words where there is room: not a full disk
 
 
 class SavingWorker:

@@ -102,8 +102,7 @@ def test_a_killed_worker_is_reported_dead_by_role_index_and_method(ray_session):
     with pytest.raises(WorkerDiedError) as raised:
         calls.get([running], "actor_infer", "generate", indices=[3], timeout_s=120)
     assert time.monotonic() - started < 30
-    assert str(raised.value) == ("actor_infer worker 3 died during generate (killed, or out of memory?); "
-                                 "the last checkpoint is intact")
+    assert str(raised.value) == "actor_infer worker 3 died during generate (killed, or out of memory?)"
     assert raised.value.details  # Ray's account of the death, for the run directory
     with pytest.raises(WorkerDiedError, match="worker 0 died during echo"):  # later calls, too
         calls.get([victim.echo.remote(1)], "actor_infer", "echo", timeout_s=60)

@@ -76,6 +76,9 @@ def test_the_repetition_warning_counts_passes_over_the_rows():
     stopping = _config("train.steps=600", "train.batch_size=128", "data.validation_fraction=0.1",
                        "train.best_checkpoint_metric=val/loss", "train.early_stopping_patience=3")
     assert repetition_warning(stopping, 570) is None  # its step count is a bound
+    choosing = _config("train.steps=600", "train.batch_size=128", "data.validation_fraction=0.1",
+                       "train.best_checkpoint_metric=val/loss")
+    assert repetition_warning(choosing, 570) is None  # the validation split chooses what is kept
 
 
 def test_the_final_line_names_each_split():
@@ -130,4 +133,28 @@ def test_a_resumed_run_goes_on_counting_evals_without_a_new_best(tmp_path):
     best.update(10, {"val/loss": 1.2}, {"actor_train": _Trainer()})
     resumed = _best(tmp_path, "val/loss", 2)
     resumed.restore(json.loads(json.dumps(best.state())))
-    assert "has not improved on 1 (step 0) for 2 evals" in resumed.update(20, {"val/loss": 1.1}, {})
+    assert resumed.update(20, {"val/loss": 1.1}, {}) == (
+        "no validation metric improved for 2 evals (train.early_stopping_patience; best so far: val/loss 1 (step 0))")
+
+
+def test_accuracy_at_zero_while_the_loss_falls_is_not_stopped(tmp_path):
+    """The new user's task: val accuracy 0 for many evals while val loss falls, then it takes off. Patience 2
+    would have ended the run at the third eval and kept step 0; the loss's records keep it going, and each tie
+    at accuracy 0 goes to the lower loss, so the best is never the untrained model once the loss fell."""
+    best, trainer = _best(tmp_path, "val/accuracy", 2), _Trainer()
+    curve = [(0.0, 3.0), (0.0, 2.5), (0.0, 2.0), (0.0, 1.6), (0.0, 1.3), (0.2, 1.0), (0.6, 0.7)]
+    for step, (accuracy, loss) in zip(range(0, 70, 10), curve, strict=True):
+        trainer.step = step
+        assert best.update(step, {"val/accuracy": accuracy, "val/loss": loss}, {"actor_train": trainer}) == ""
+        assert best.step == step  # each eval is a new best: the same accuracy at a lower loss, or a higher one
+    assert (tmp_path / "checkpoints" / "best" / "model" / "weights").read_text() == "60"
+
+
+def test_patience_runs_out_once_neither_loss_nor_accuracy_moves(tmp_path):
+    best, trainer = _best(tmp_path, "val/accuracy", 2), _Trainer()
+    evals = [(0.5, 1.0), (0.4, 0.9), (0.4, 0.95), (0.45, 0.92)]  # step 10: a loss record, no new best
+    reasons = [best.update(step, {"val/accuracy": a, "val/loss": loss}, {"actor_train": trainer})
+               for step, (a, loss) in zip(range(0, 40, 10), evals, strict=True)]
+    assert reasons[:3] == ["", "", ""] and best.step == 0
+    assert reasons[3] == ("no validation metric improved for 2 evals (train.early_stopping_patience; best so far: "
+                          "val/loss 0.9 (step 10), val/accuracy 0.5 (step 0))")

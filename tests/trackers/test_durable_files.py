@@ -4,15 +4,15 @@ import os
 
 import pytest
 
-from rollflow.errors import DiskFullError
+from rollflow.errors import DiskFullError, RunDirUnwritableError
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.durable_files import (
     append_records,
-    disk_full_as_error,
-    disk_full_error,
     read_records,
     truncate_records,
     write_atomically,
+    write_failure_as_error,
+    write_failure_error,
 )
 from rollflow.trackers.samples import write_samples
 from tests.conftest import step_samples
@@ -104,34 +104,54 @@ def test_a_short_write_is_cut_off_again(tmp_path, monkeypatch):
     Exception("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on "
               "device\" })"),  # safetensors' save_file
 ])
-def test_disk_full_error_recognizes_full_disks(err):
-    assert str(disk_full_error(err, "runs/x/checkpoints/step_2")) == \
+def test_write_failure_error_recognizes_full_disks(err):
+    assert str(write_failure_error(err, "runs/x/checkpoints/step_2")) == \
         "no space left on device writing runs/x/checkpoints/step_2"
 
 
-def test_disk_full_error_looks_through_the_chain_and_ignores_other_errors():
+def test_write_failure_error_looks_through_the_chain_and_ignores_other_errors():
     try:
         try:
             raise OSError(errno.ENOSPC, "full")
         except OSError as inner:
             raise RuntimeError("save failed") from inner
     except RuntimeError as outer:
-        assert isinstance(disk_full_error(outer, "p"), DiskFullError)
-    assert disk_full_error(OSError(errno.EACCES, "Permission denied"), "p") is None
-    assert disk_full_error(ValueError("bad"), "p") is None
+        assert isinstance(write_failure_error(outer, "p"), DiskFullError)
+    assert write_failure_error(ValueError("bad"), "p") is None
 
 
-def test_disk_full_as_error_maps_a_worker_failure_and_passes_others(tmp_path):
+@pytest.mark.parametrize(("err", "reason"), [
+    (PermissionError(errno.EACCES, "Permission denied", "runs/x/metrics.jsonl"), "Permission denied"),
+    (OSError(errno.EROFS, "Read-only file system"), "Read-only file system"),
+    (RuntimeError("PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints/step_2/model'"),
+     "permission denied"),  # a worker's save, as text in Ray's error
+])
+def test_a_directory_that_stopped_being_writable_is_one_line(err, reason):
+    found = write_failure_error(err, "runs/x/checkpoints/step_2")
+    assert isinstance(found, RunDirUnwritableError)
+    assert str(found) == (f"cannot write runs/x/checkpoints/step_2: {reason} (the directory stopped being writable "
+                          "while the run ran: its permissions or its mount changed)")
+
+
+def test_a_checkpoint_directory_made_unwritable_mid_run_is_one_line(tmp_path):
+    """What `save_checkpoint`'s mkdir met in the drill (a PermissionError traceback from run_directory.py)."""
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(RunDirUnwritableError, match="step_2: Permission denied"):
+        with write_failure_as_error(tmp_path / "checkpoints" / "step_2"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "checkpoints" / "step_2"))
+
+
+def test_write_failure_as_error_maps_a_worker_failure_and_passes_others(tmp_path):
     class RayTaskError(Exception):  # how a worker's exception arrives: its traceback as text, the cause attached
         def __init__(self, cause):
             super().__init__(f"ray::Worker.save() (pid=1)\n  ...\n{cause!r}")
             self.cause = cause
 
     with pytest.raises(DiskFullError, match="step_3$"):
-        with disk_full_as_error(tmp_path / "step_3"):
+        with write_failure_as_error(tmp_path / "step_3"):
             raise RayTaskError(RuntimeError("PytorchStreamWriter failed writing file data/0"))
     with pytest.raises(KeyError):
-        with disk_full_as_error(tmp_path):
+        with write_failure_as_error(tmp_path):
             raise KeyError("other")
 
 
