@@ -6,7 +6,8 @@ Each case's outcome is one of:
     handled    exit status 0 and the run did what was asked (a harmless setting), or said what it dropped
     traceback  a Python traceback (or more than one error line) on the console
     hang       still running at the case's time limit (killed)
-    silent     exit status 0 although nothing (or the wrong thing) was trained
+    silent     exit status 0 although nothing (or the wrong thing) was trained, or the console lacks what the
+               case expects it to say (`Case.expect`: a warning, a closing line)
 
 Usage: python bench/failure_drill.py [--only NAME ...] [--out drill.json]
 Prints one line per case and a count per outcome; the goal is no traceback, hang or silent case at all.
@@ -77,6 +78,7 @@ class Case:
     during: str = ""  # a name in ACTIONS, run once the run's first step is logged
     timeout_s: float = 240.0
     harmless: bool = False  # exit 0 is the right outcome (a setting that must simply work)
+    expect: str = ""  # a text the console must show (a warning, a closing line); missing it is `silent`
 
 
 def agentic(name: str, *overrides: str, files: dict[str, str] | None = None, **kwargs) -> Case:
@@ -129,6 +131,20 @@ CASES = [
          setup="truncated_model"),
     Case("disk full during a checkpoint", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
                                            "output.dir=small", "output.save_every_steps=1"], setup="small_disk"),
+    # issue #44: the end of a pipeline, the run directory mid-run, a run that cannot learn
+    Case("SFT whose best checkpoint is not its last step", ["sft", str(ROOT / "examples/small_data/sft.yaml"),
+         "data.train={path: rows.jsonl}", "data.eval={path: rows.jsonl}", "train={steps: 4, batch_size: 16, "
+         "train_micro_batch_size: 16, lr: 1.0e-12, best_checkpoint_metric: val/accuracy}", "eval.every_steps=2"],
+         files={"rows.jsonl": "".join(json.dumps({"prompt": f"{a}-{b}", "answer": str(a - b)}) + "\n"
+                                      for a in range(40, 60) for b in range(10, 14))},
+         timeout_s=180, harmless=True, expect="best checkpoint: step 0"),
+    Case("run directory made read-only mid-run", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
+                                                  "train.steps=200", "output.dir=rw", "output.save_every_steps=1"],
+         setup="bind_mount", during="remount_read_only"),
+    Case("RL with a reward that never changes", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
+                                                 "train.steps=4", "reward.functions=[{name: flat_reward:zero}]"],
+         files={"flat_reward.py": "def zero(completion, **row):\n    return 0.0\n"}, timeout_s=180,
+         expect="every group's samples got the same reward"),
 ]
 
 
@@ -160,7 +176,16 @@ def small_disk(scratch: Path) -> str:
     return "" if done.returncode == 0 else f"cannot mount a tmpfs: {done.stderr.strip()}"
 
 
-SETUPS = {"read_only_dir": read_only_dir, "truncated_model": truncated_model, "small_disk": small_disk}
+def bind_mount(scratch: Path) -> str:
+    """`rw` bind-mounted on itself, so that an action can remount it read-only while the run writes there."""
+    (scratch / "rw").mkdir()
+    done = subprocess.run(["mount", "--bind", str(scratch / "rw"), str(scratch / "rw")], capture_output=True,
+                          text=True)
+    return "" if done.returncode == 0 else f"cannot bind-mount: {done.stderr.strip()}"
+
+
+SETUPS = {"read_only_dir": read_only_dir, "truncated_model": truncated_model, "small_disk": small_disk,
+          "bind_mount": bind_mount}
 
 
 def _descendants(root: int) -> list[int]:
@@ -197,15 +222,30 @@ def kill_env_worker(process: subprocess.Popen, scratch: Path) -> str:
     return "the env worker was never found"
 
 
-ACTIONS = {"kill_env_worker": kill_env_worker}
+def remount_read_only(process: subprocess.Popen, scratch: Path) -> str:
+    """Once the run logged its first step, its output directory's mount turns read-only under it."""
+    metrics = scratch / "rw" / "drill" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            done = subprocess.run(["mount", "-o", "remount,bind,ro", str(scratch / "rw")], capture_output=True,
+                                  text=True)
+            return "" if done.returncode == 0 else f"cannot remount read-only: {done.stderr.strip()}"
+        time.sleep(0.2)
+    return "the run never logged its first step"
 
 
-def classify(case: Case, code: int | None, stderr: str) -> str:
+ACTIONS = {"kill_env_worker": kill_env_worker, "remount_read_only": remount_read_only}
+
+
+def classify(case: Case, code: int | None, stderr: str, stdout: str = "") -> str:
     if code is None:
         return "hang"
     lines = [line for line in stderr.strip().splitlines() if not line.startswith("rollflow: warning:")]
     if "Traceback" in stderr or len([line for line in lines if line.startswith("rollflow: error:")]) > 1:
         return "traceback"
+    if case.expect and case.expect not in stdout + stderr:
+        return "silent"
     if code == 0:
         return "handled" if case.harmless or "rollflow: warning:" in stderr else "silent"
     return "clean" if len(lines) == 1 and lines[0].startswith("rollflow: error:") else "traceback"
@@ -235,10 +275,10 @@ def run(case: Case) -> dict:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         code = None
-    for mount in ("readonly", "small"):
+    for mount in ("readonly", "small", "rw"):
         subprocess.run(["umount", str(scratch / mount)], capture_output=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    outcome = classify(case, code, stderr)
+    outcome = classify(case, code, stderr, stdout)
     errors = [line for line in stderr.splitlines() if line.startswith("rollflow:")]
     return {"case": case.name, "outcome": outcome, "exit": code, "seconds": round(time.monotonic() - started, 1),
             "last_line": (errors or stderr.strip().splitlines() or stdout.strip().splitlines() or [""])[-1][:400],

@@ -158,7 +158,8 @@ class SupervisedStep:
             return self.groups["actor_train"].call("train", work)
 
     def position(self, step: int) -> dict[str, float]:
-        return {"epoch": step * self.config.train.batch_size / len(self.inputs.train)}
+        """`epoch`: full batches so far over full batches per epoch, as `train.epochs` counts them."""
+        return {"epoch": step / batches_per_epoch(len(self.inputs.train), self.config.train.batch_size)}
 
     def logged_samples(self, work: Batch) -> None:
         return None  # the rows are the data: nothing generated to show
@@ -296,8 +297,14 @@ def with_resolved_steps(config, num_rows: int):
     train = config.train
     if train.epochs is None:
         return config
-    steps = train.epochs * (num_rows // train.batch_size)
+    steps = train.epochs * batches_per_epoch(num_rows, train.batch_size)
     return config.model_copy(update={"train": train.model_copy(update={"steps": steps, "epochs": None})})
+
+
+def batches_per_epoch(num_rows: int, batch_size: int) -> int:
+    """Full batches in one pass over `num_rows` rows (`shuffled_batches` drops a last partial one): the steps of
+    an epoch, for `train.epochs` and the `epoch` metric alike."""
+    return max(num_rows // batch_size, 1)
 
 
 def prompt_distillation_sample(sample: Sample) -> Sample:
@@ -357,8 +364,9 @@ def repetition_warning(config, num_rows: int) -> str | None:
 def describe_data(config, inputs) -> str:
     """The run's data line: rows, batch, steps, epochs, and the validation split."""
     rows, train = len(inputs.train), config.train
-    line = (f"{rows} training rows, {train.batch_size} a step, {train.steps} steps "
-            f"(each row about {train.steps * train.batch_size / rows:.3g} times)")
+    epochs = train.steps / batches_per_epoch(rows, train.batch_size)
+    line = (f"{rows} training rows, {train.batch_size} a step, {train.steps} steps ({epochs:.3g} epochs; "
+            f"each row about {train.steps * train.batch_size / rows:.3g} times)")
     if inputs.validation:
         where = ("carved from data.train" if config.data.validation_fraction is not None else "data.validation")
         line += f"; {len(inputs.validation)} validation rows ({where})"

@@ -80,12 +80,14 @@ def test_sft_learns_and_resumes_exactly(sft_run, student):
 
 def test_a_small_dataset_keeps_its_best_validation_checkpoint(tmp_path, student, ray_session):
     """80 rows, a fifth carved for validation, a learning rate that overfits them: the checkpoint kept is the
-    step of the lowest validation loss, and its weights, loaded back, give the eval loss logged at that step."""
+    step of the lowest validation loss, and its weights, loaded back, give the eval loss logged at that step.
+    With the greedy eval on, the best checkpoint's own eval after the last step decodes on the rollout core,
+    which must still be running then (it used to be closed first: the run never ended)."""
     final = _run(tmp_path, "small", "pipeline=sft", f"model.path={student}", "data.train={task: add2, limit: 80}",
                  "data.response_key=answer", "data.eval={task: add2, split: eval, limit: 50}",
                  "data.validation_fraction=0.2", "train.batch_size=16", "train.train_micro_batch_size=16",
                  "train.lr=3e-2", "train.steps=60", "eval.every_steps=5", "train.best_checkpoint_metric=val/loss",
-                 "train.early_stopping_patience=3")
+                 "train.early_stopping_patience=3", "eval.greedy_accuracy=true", "eval.max_new_tokens=4")
     evals = [row for row in _metrics(tmp_path / "small") if "val/loss" in row]
     best = min(evals, key=lambda row: row["val/loss"])  # the first of equal ones
     saved = json.loads((tmp_path / "small" / "checkpoints" / "best" / "best.json").read_text())
@@ -95,6 +97,9 @@ def test_a_small_dataset_keeps_its_best_validation_checkpoint(tmp_path, student,
     if last < 60:  # stopped early: the last three evals found no new best
         assert [row["step"] for row in evals[-3:]] == [last - 10, last - 5, last] and best["step"] < last - 10
     assert final["initial_val/loss"] > best["val/loss"]
+    assert best["step"] < evals[-1]["step"]  # the best is reloaded and decoded after the run
+    assert 0 <= final["best/eval/accuracy"] <= 1
+    assert (tmp_path / "small" / "curves.png").is_file()
 
 
 @pytest.fixture(scope="module")

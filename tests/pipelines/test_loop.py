@@ -92,6 +92,7 @@ def test_an_interrupted_run_saves_its_last_finished_step_and_resumes(ray_session
         with pytest.raises(KeyboardInterrupt):
             runner(load_config(None, [*run, "train.steps=3"]), manage_ray=False)
     assert "interrupted: saving step 1 (interrupt again to skip it)" in capsys.readouterr().out
+    assert (tmp_path / "run" / "curves.png").is_file()  # what it logged is drawn, as at a run's end
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "driver_state.json").read_text())
     assert state["step"] == 1 and "initial_eval" in state
 

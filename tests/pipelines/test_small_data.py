@@ -11,7 +11,14 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.errors import ConfigError, DataError
-from rollflow.pipelines.supervised import BestCheckpoint, describe_eval, repetition_warning
+from rollflow.pipelines.supervised import (
+    BestCheckpoint,
+    SFTStep,
+    describe_data,
+    describe_eval,
+    repetition_warning,
+    with_resolved_steps,
+)
 from rollflow.pipelines.supervised_inputs import EncodedDataset, carve_validation
 
 SFT = ["pipeline=sft", "data.train={task: add2}", "data.response_key=answer"]
@@ -158,3 +165,15 @@ def test_patience_runs_out_once_neither_loss_nor_accuracy_moves(tmp_path):
     assert reasons[:3] == ["", "", ""] and best.step == 0
     assert reasons[3] == ("no validation metric improved for 2 evals (train.early_stopping_patience; best so far: "
                           "val/loss 0.9 (step 10), val/accuracy 0.5 (step 0))")
+
+
+def test_the_progress_line_counts_epochs_as_train_epochs_does():
+    """160 rows in batches of 64: 2 full batches a pass (32 rows left over each time). `train.epochs: 100` is
+    200 steps, and the progress line's `epoch` reads 100 at step 200 (it read 80: step x batch / rows)."""
+    config = with_resolved_steps(_config("train={epochs: 100, batch_size: 64, train_micro_batch_size: 64}"), 160)
+    assert config.train.steps == 200
+    step = SFTStep(config)
+    step.inputs = SimpleNamespace(train=[None] * 160, validation=[])
+    assert step.position(200) == {"epoch": 100.0}
+    assert describe_data(config, step.inputs) == ("160 training rows, 64 a step, 200 steps (100 epochs; each row "
+                                                  "about 80 times)")
