@@ -66,7 +66,10 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
     Ray: `cluster.address` unset, `cluster.num_cpus` unset or a positive integer, and not `resume: true` (a
     finished run must stop at once, not after starting Ray). Only from a fresh process (torch not imported
     yet): a test or a notebook calling `main` has nothing to overlap. Whatever the config turns out to say,
-    the pipeline's `start_ray` connects to this Ray only if it is the one it wants, and ends it otherwise."""
+    the pipeline's `start_ray` connects to this Ray only if it is the one it wants, and ends it otherwise.
+    Nothing is said or waited for here: a config the loader refuses ends in its one error line at once, and
+    `main` discards this Ray without waiting for it; the pipeline says "starting Ray ..." once it asks for
+    Ray, past the config's checks."""
     if "torch" in sys.modules:
         return
     import yaml
@@ -88,16 +91,12 @@ def _prestart_ray(path: str | None, overrides: list[str]) -> None:
     if settings["cluster.address"] is not None or settings["resume"] is True or \
             num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
         return
-    from rollflow.cluster.prestart import prestart_ray, wait_for_prestarted_ray
+    from rollflow.cluster.prestart import prestart_ray
     from rollflow.workers import warm
 
     model = settings["model.path"]
     prestart_ray(num_cpus, warm_up=warm.SETUP_HOOK,
                  warm_up_env={warm.MODEL_VARIABLE: model} if isinstance(model, str) else {})
-    # The start's critical path is Ray's start, then the warm worker's imports (~5 s); this process's imports
-    # and input checks (~4 s) fit beside the latter, but beside the former they only slow it down (2 cores).
-    print("starting Ray ...", flush=True)
-    wait_for_prestarted_ray()
 
 
 def _prestart_for_train(args: argparse.Namespace) -> None:
@@ -217,7 +216,8 @@ def _plan(args: argparse.Namespace) -> int:
         lengths = {"median": args.median_tokens, "tail_ratio": args.tail_ratio}
     out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.config).stem}-{args.gpus}gpus"
     result = plan(args.config, args.overrides, args.profile, args.gpus, out, steps=args.steps,
-                  time_scale=args.time_scale, max_new_tokens=args.max_new_tokens, lengths=lengths)
+                  time_scale=args.time_scale, max_new_tokens=args.max_new_tokens, lengths=lengths,
+                  verbose=args.verbose)
     (out / "plan.json").write_text(json_module.dumps(result, indent=1))
     print(format_plan(result, out))
     print(f"plan: {out / 'plan.json'}")
@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "training and rollout (docs/simulation.md)")
     planner.add_argument("config", help="YAML config file (an RLVR config)")
     planner.add_argument("overrides", nargs="*", help="overrides like rollout.groups_per_step=128")
-    planner.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
+    planner.add_argument("--gpus", type=int, required=True,
+                         help="GPUs to plan for (at most what this machine can simulate: one engine process per "
+                              "GPU, 32 per CPU core, memory permitting)")
     planner.add_argument("--profile", default="h800-7b", help="hardware profile (default h800-7b; also h200-7b)")
     planner.add_argument("--steps", type=int, default=6, help="simulated steps per placement (default 6)")
     planner.add_argument("--time-scale", type=float, default=20.0,
@@ -273,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--lengths-from", default=None,
                          help="replay the response lengths of a run's samples.jsonl instead")
     planner.add_argument("--out", default=None, help="directory of the simulated runs (default runs/plan-...)")
+    planner.add_argument("--verbose", action="store_true",
+                         help="print what each simulated run prints (its workers, placement table, warnings) "
+                              "instead of writing it to OUT/plan.log")
     planner.set_defaults(handler=_plan)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")

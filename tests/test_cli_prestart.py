@@ -96,18 +96,20 @@ def wait_for_prestarted_ray():
 prestart.prestart_ray = prestart_ray
 prestart.wait_for_prestarted_ray = wait_for_prestarted_ray
 from rollflow.cli import main
-main(sys.argv[1:])
+sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.parametrize("argv", [["train", "CONFIG"], ["sft", "CONFIG"], ["eval", "--model", "tiny"]])
 def test_the_command_line_prestarts_before_it_imports_torch(tmp_path, argv):
     """From a fresh process, as a user runs it: the prestart is asked for before anything imports torch (the
-    CLI's own imports of the config and pipelines did, so the prestart never happened), said, and waited for
-    before the imports too (they would only slow Ray's start down)."""
+    CLI's own imports of the config and pipelines did, so the prestart never happened). A config the loader
+    refuses then ends in its one error line: nothing said of Ray before it, and no wait for the Ray started."""
     config = _config(tmp_path, "cluster: {num_cpus: 2}\n")
-    done = subprocess.run([sys.executable, "-c", FRESH, *[config if a == "CONFIG" else a for a in argv]],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    argv = [config if a == "CONFIG" else a for a in argv] + ["rollout.max_new_tokns=6"]
+    done = subprocess.run([sys.executable, "-c", FRESH, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
     expected = "PRESTART None False" if argv[0] == "eval" else "PRESTART 2 False"
-    assert done.stdout.splitlines() == [expected, "starting Ray ...", "WAIT False"]
+    assert done.stdout.splitlines() == [expected]  # no "starting Ray ...", no WAIT
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("rollflow: error: ") and "unknown config key 'rollout" in line, done.stderr

@@ -73,9 +73,9 @@ def prestart_ray(num_cpus: int | None = None, warm_up: str | None = None,
 
 def wait_for_prestarted_ray() -> bool:
     """Wait until the Ray `prestart_ray` started is up (its raylet has started the warm worker by then);
-    whether it is. A driver that waits before its own imports leaves both cores to Ray's start, which is the
-    start-up's critical path when a warm worker's imports follow it: on 2 cores the warm worker starts ~0.7 s
-    sooner, and the driver's imports and checks still end before the warm worker's (bench/step_overhead.py)."""
+    whether it is. `take_prestarted_ray` waits here once the pipeline asks for Ray: the driver's imports and
+    config checks run beside Ray's start, so a config they refuse ends the run without waiting for Ray
+    (`discard_prestarted_ray`)."""
     global _prestarted
     if _prestarted is None:
         return False

@@ -35,7 +35,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> str:
 
     A local Ray gets a reaper (see the module docstring), so none of its processes outlives this one. A SIGTERM
     handler this process installed before (e.g. `StopSignals`) is kept. A local Ray `prestart.prestart_ray`
-    started with the same `num_cpus` is connected to; one with another is ended first.
+    started with the same `num_cpus` is connected to; one with another is ended first. From then on Ray's API
+    never starts a Ray by itself in this process (`_no_auto_init`): after `stop_ray` it raises.
 
     Returns:
         How: "running" (Ray was already up in this process), "joined" (the cluster at `address`),
@@ -44,6 +45,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     global _reaper, _log_monitor
     import ray
 
+    _no_auto_init()
     if ray.is_initialized():
         return "running"
     if _log_monitor is not None:  # the previous local Ray was shut down without `stop_ray`
@@ -88,6 +90,17 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if callable(sigterm_handler):
         signal.signal(signal.SIGTERM, sigterm_handler)
     return how
+
+
+def _no_auto_init() -> None:
+    """Have Ray's API (`ray.get`, `.remote()`, ...) raise in this process once its Ray is shut down, instead of
+    starting a new local Ray by itself (Ray's auto-init): a thread still spawning workers when a stop signal made
+    the driver call `stop_ray` would otherwise start a Ray that no reaper ends, and that outlives the driver."""
+    try:  # a private switch (Ray 2.x): where it is gone, Ray's API may start a Ray again after `stop_ray`
+        from ray._private import auto_init_hook
+    except ImportError:
+        return
+    auto_init_hook.enable_auto_connect = False
 
 
 def _join_prestarted(num_cpus: int | None) -> tuple[Any, bool] | None:

@@ -10,9 +10,11 @@ simulated by sleeping on the event loop, `time_scale` times faster than the prof
 fit on two cores.
 
 A sample's length is drawn from the run's length distribution (seeded per sample when the request is), at
-least `min_new_tokens` and at most `max_new_tokens` simulated tokens per payload token (`token_scale`); its
-payload holds one random token id per `token_scale` simulated tokens, EOS last when it stopped, each with a
-logprob and the policy version of the weights that were loaded when its first simulated token was sampled.
+least `min_new_tokens` and at most `max_new_tokens` simulated tokens per payload token (`token_scale`), and at
+most `max_new_simulated_tokens` when that is set (a limit `token_scale` does not divide: `rollflow plan` passes
+the config's own); its payload holds one random token id per `token_scale` simulated tokens or part of them,
+EOS last when it stopped, each with a logprob and the policy version of the weights that were loaded when its
+first simulated token was sampled.
 A weight load pauses decoding for the profile's sync time (vLLM pauses its scheduler too) and later tokens
 carry the new version; `sleep` / `wake` cost the profile's offload / onload time.
 """
@@ -84,6 +86,8 @@ class SimEngine:
         lengths: the response-length distribution (`rollflow.sim.profiles.length_distribution`).
         admit_wait_steps: token boundaries a queued request lets pass before it joins a running batch (the hf
             engine's knob; 0, vLLM's behaviour, admits at the next boundary).
+        max_new_simulated_tokens: the response limit in simulated tokens, below the request's `max_new_tokens`
+            x `token_scale` (None: that); a sample that reaches it ends with "length".
 
     `batch_trace`: set it to a list and every decode step appends its running rows (the honesty test compares
     it with the hf engine's).
@@ -91,8 +95,10 @@ class SimEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", max_batch_size: int = 256, seed: int = 0,
                  trust_remote_code: bool = False, simulation: dict[str, Any] | None = None,
-                 lengths: dict[str, Any] | None = None, admit_wait_steps: int = 0):
+                 lengths: dict[str, Any] | None = None, admit_wait_steps: int = 0,
+                 max_new_simulated_tokens: int | None = None):
         self.settings = SimSettings(**(simulation or {}))
+        self.max_new_simulated_tokens = max_new_simulated_tokens
         self.hardware = self.settings.hardware()
         self.lengths = length_distribution(lengths)
         self.max_running = self.hardware.max_running
@@ -264,6 +270,8 @@ class SimEngine:
                     else random.Random(self.rng.getrandbits(63))
                 drawn = max(self.lengths.draw(rng), params.min_new_tokens * scale)
                 limit = params.max_new_tokens * scale
+                if self.max_new_simulated_tokens is not None:
+                    limit = min(limit, self.max_new_simulated_tokens)
                 target, reason = (drawn, "stop") if drawn < limit else (limit, "length")
                 self._rows.append(_Row(pending, slot, target, reason, prompt, rng,
                                        versions=[(0, self._lifecycle.version)]))

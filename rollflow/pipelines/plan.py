@@ -8,24 +8,36 @@ between the trainer and engines of their own. The config's rollout and training 
 samples a step, the response limit, the algorithm); its prompts are replaced by the add2 task's (the engines
 see `token_scale` simulated tokens per prompt character) and response lengths come from a distribution or a
 real run's samples. Throughput is trained samples per simulated second over the steps after the first two.
+Each simulated GPU's engine is a process of its own, so the GPUs a plan may have are bounded by this machine's
+cores and memory (`simulated_gpu_limit`), checked with the rest before Ray starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rollflow.cluster.ray_session import start_ray, stop_ray
 from rollflow.config import RLVRConfig, dump_config, load_config
 from rollflow.errors import ConfigError
+from rollflow.pipelines.interrupts import StopSignals
 from rollflow.pipelines.rlvr import run_rlvr
 from rollflow.sim.profiles import PROFILES, length_distribution
 
 WARMUP_STEPS = 2  # steps before throughput counts: the asynchronous pipeline fills up
+# What a simulated GPU costs the machine that simulates it. Its engine is a Ray actor process of its own (the
+# synchronous placement runs one per GPU): ~ENGINE_PROCESS_BYTES resident (measured, docs/simulation.md), and
+# bench/simulated_cluster.py ran 64 of them on 2 cores. Beside them run Ray's own processes and the trainer's.
+ENGINE_PROCESS_BYTES = 250 * 2**20
+ENGINES_PER_CORE = 32
+OTHER_PROCESSES = 8  # gcs_server, raylet, two agents, the driver, actor_train, reference, critic
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,57 @@ def candidates(gpus: int) -> list[Candidate]:
     return found
 
 
+def available_memory() -> int:
+    """Bytes of memory this machine can still give processes (`MemAvailable`; all of it where /proc is missing)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def simulated_gpu_limit(cores: int | None = None, available_bytes: int | None = None) -> tuple[int, str]:
+    """The most GPUs this machine can simulate in one placement, and why: every simulated GPU's engine is a
+    process of its own (`ENGINE_PROCESS_BYTES` of memory each, beside `OTHER_PROCESSES`), and at most
+    `ENGINES_PER_CORE` share a CPU core.
+
+    Args:
+        cores: CPU cores this process may use (None: its CPU affinity).
+        available_bytes: memory still available (None: `available_memory()`).
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    available = available_memory() if available_bytes is None else available_bytes
+    by_memory = max(0, available // ENGINE_PROCESS_BYTES - OTHER_PROCESSES)
+    limit = min(ENGINES_PER_CORE * cores, by_memory)
+    why = (f"each simulated GPU's engine is a Ray actor process of its own (~{ENGINE_PROCESS_BYTES >> 20} MB; "
+           f"{available / 2**30:.1f} GB of memory available) and at most {ENGINES_PER_CORE} share a CPU core "
+           f"({cores} here)")
+    return limit, why
+
+
+def check_plan_size(gpus: int, steps: int, max_new_tokens: int | None = None,
+                    limit: tuple[int, str] | None = None) -> None:
+    """Refuse, before anything starts, a plan this machine cannot simulate or whose numbers mean nothing.
+
+    Args:
+        gpus, steps, max_new_tokens: `rollflow plan`'s `--gpus`, `--steps` and `--max-new-tokens`.
+        limit: (most GPUs, why) as `simulated_gpu_limit` says (None: ask it).
+
+    Raises:
+        ConfigError: one line naming the limit and why.
+    """
+    candidates(gpus)  # at least 2
+    most, why = limit or simulated_gpu_limit()
+    if gpus > most:
+        raise ConfigError(f"rollflow plan --gpus {gpus}: this machine can simulate at most {most} GPUs: {why}; "
+                          f"plan for at most {most} GPUs, or on a machine with more memory and cores")
+    if steps <= WARMUP_STEPS:
+        raise ConfigError(f"rollflow plan --steps {steps}: throughput counts the steps after the first "
+                          f"{WARMUP_STEPS}; give --steps {WARMUP_STEPS + 1} or more")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ConfigError(f"rollflow plan --max-new-tokens {max_new_tokens}: a response limit is at least 1 token")
+
+
 def devices(first: int, count: int) -> str:
     return "[" + ",".join(str(d) for d in range(first, first + count)) + "]"
 
@@ -82,7 +145,9 @@ def simulated_overrides(candidate: Candidate, profile: str, time_scale: float, t
     """
     total = candidate.train_gpus if candidate.colocated else candidate.train_gpus + candidate.rollout_gpus
     first_engine = 0 if candidate.colocated else candidate.train_gpus
-    engine_kwargs = json.dumps({"lengths": lengths} if lengths else {})
+    # the engines keep the limit itself, which `token_scale` need not divide (the payload's limit rounds it up)
+    engine_kwargs = json.dumps({**({"lengths": lengths} if lengths else {}),
+                                "max_new_simulated_tokens": max_new_tokens})
     train = devices(0, candidate.train_gpus)
     return [
         "cluster.device=sim", f"cluster.num_devices={total}", f"cluster.sim.profile={profile}",
@@ -106,10 +171,16 @@ def simulated_overrides(candidate: Candidate, profile: str, time_scale: float, t
     ]
 
 
-def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, token_scale: int = 16) -> dict[str, float]:
+def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, token_scale: int = 16,
+               max_new_tokens: int | None = None) -> dict[str, float]:
     """Trained samples per simulated second after `warmup` steps (`metrics.jsonl`), with the median step and
     its rollout and training time, in simulated seconds, the share of groups dropped as stale, and the mean
-    trained response in simulated tokens (dropping stale groups drops long responses first)."""
+    trained response in simulated tokens (dropping stale groups drops long responses first).
+
+    A response of `d` simulated tokens carries `ceil(d / token_scale)` payload tokens, so `token_scale` x the
+    payload's mean overstates the mean by less than `token_scale`; no mean exceeds the response limit
+    `max_new_tokens` (simulated tokens), where it is given.
+    """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > warmup]
     if not steps:
@@ -117,6 +188,7 @@ def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, tok
     seconds = sum(row["time/step"] for row in steps) * time_scale
     stale = sum(row.get("rollout/groups/stale", 0.0) for row in steps)
     consumed = sum(row.get("rollout/groups/consumed", 0.0) for row in steps)
+    response = token_scale * statistics.fmean(row.get("rollout/response_length", 0.0) for row in steps)
     return {
         "samples_per_s": sum(row.get("train/usable_samples", row.get("train/samples", 0.0)) for row in steps) / seconds,
         "step_s": statistics.median(row["time/step"] * time_scale for row in steps),
@@ -124,14 +196,19 @@ def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, tok
         "train_s": statistics.median(row.get("time/train", 0.0) * time_scale for row in steps),
         "stale_fraction": stale / max(1.0, stale + consumed),
         "staleness_max": max((row.get("staleness/max", 0.0) for row in steps), default=0.0),
-        "response_tokens": token_scale * statistics.fmean(row.get("rollout/response_length", 0.0) for row in steps),
+        "response_tokens": min(response, math.inf if max_new_tokens is None else max_new_tokens),
     }
 
 
 def plan(config_path: str | None, overrides: list[str], profile: str, gpus: int, out: Path, steps: int = 6,
          time_scale: float = 20.0, token_scale: int = 16, max_new_tokens: int | None = None,
-         lengths: dict[str, Any] | None = None, manage_ray: bool = True) -> dict[str, Any]:
+         lengths: dict[str, Any] | None = None, manage_ray: bool = True, verbose: bool = False) -> dict[str, Any]:
     """Simulate every candidate placement of the RLVR config on `gpus` GPUs of `profile`; the best first.
+
+    What can be checked without workers is checked before Ray starts: the plan's size (`check_plan_size`), the
+    config and every placement's simulated config. It says on stdout which placement it simulates; what each
+    run prints (its start lines, placement table and warnings, of no use to a plan whose rewards score random
+    text) goes to `out/plan.log`. A stop signal anywhere in it raises `Interrupted` once Ray is stopped.
 
     Args:
         config_path, overrides: the RLVR config to plan for.
@@ -139,11 +216,14 @@ def plan(config_path: str | None, overrides: list[str], profile: str, gpus: int,
         max_new_tokens: the response limit in simulated tokens; None: the config's `rollout.max_new_tokens`.
         lengths: the response-length distribution (None: the profile's default long tail).
         manage_ray: start and stop Ray here (False: the caller's session).
+        verbose: what the runs print goes to the console instead of `out/plan.log`.
 
     Returns:
         {"candidates": [{"name", "describe", "train_gpus", "rollout_gpus", "max_staleness", ...throughput}],
-        "best": the best one's name, "speedup": its samples/s over the synchronous one's}.
+        "best": the best one's name, "speedup": its samples/s over the synchronous one's, and the plan's
+        "profile", "gpus", "steps" and "max_new_tokens"}.
     """
+    check_plan_size(gpus, steps, max_new_tokens)
     if lengths is not None:
         length_distribution(lengths)  # a bad file or shape fails here, before anything starts
     config = load_config(config_path, overrides)
@@ -153,45 +233,60 @@ def plan(config_path: str | None, overrides: list[str], profile: str, gpus: int,
         raise ConfigError(PROFILES.unknown_message(profile))
     placements = candidates(gpus)
     limit = max_new_tokens or config.rollout.max_new_tokens
-    base = dump_config(config)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "base_config.yaml").write_text(base)
+    (out / "base_config.yaml").write_text(dump_config(config))
+    runs = [load_config(str(out / "base_config.yaml"), [
+        *simulated_overrides(candidate, profile, time_scale, token_scale, limit, steps, lengths),
+        f"name={candidate.name}", f"output.dir={out}", "resume=false"]) for candidate in placements]
     found = []
-    if manage_ray:
-        start_ray()
-    try:
-        for candidate in placements:
-            simulated = load_config(str(out / "base_config.yaml"), [
-                *simulated_overrides(candidate, profile, time_scale, token_scale, limit, steps, lengths),
-                f"name={candidate.name}", f"output.dir={out}", "resume=false"])
-            run_rlvr(simulated, manage_ray=False)
-            found.append({"name": candidate.name, "describe": candidate.describe(),
-                          "train_gpus": candidate.train_gpus, "rollout_gpus": candidate.rollout_gpus,
-                          "max_staleness": candidate.max_staleness,
-                          **throughput(out / candidate.name, time_scale, token_scale=token_scale)})
-    finally:
+    with StopSignals(), (out / "plan.log").open("w") as log:  # Ray's own SIGTERM handler would sys.exit
         if manage_ray:
-            stop_ray()
+            start_ray()
+        try:
+            for number, (candidate, simulated) in enumerate(zip(placements, runs), start=1):
+                print(f"simulating placement {number}/{len(placements)}: {candidate.describe()} ...", flush=True)
+                print(f"== {candidate.name}: {candidate.describe()}", file=log, flush=True)
+                with contextlib.nullcontext() if verbose else _console_to(log):
+                    run_rlvr(simulated, manage_ray=False)
+                found.append({"name": candidate.name, "describe": candidate.describe(),
+                              "train_gpus": candidate.train_gpus, "rollout_gpus": candidate.rollout_gpus,
+                              "max_staleness": candidate.max_staleness,
+                              **throughput(out / candidate.name, time_scale, token_scale=token_scale,
+                                           max_new_tokens=limit)})
+        finally:
+            if manage_ray:
+                stop_ray()
     found.sort(key=lambda c: -c["samples_per_s"])
     synchronous = next(c for c in found if c["max_staleness"] == 0)
-    return {"profile": profile, "gpus": gpus, "candidates": found, "best": found[0]["name"],
-            "speedup": found[0]["samples_per_s"] / synchronous["samples_per_s"]}
+    return {"profile": profile, "gpus": gpus, "steps": steps, "max_new_tokens": limit, "candidates": found,
+            "best": found[0]["name"], "speedup": found[0]["samples_per_s"] / synchronous["samples_per_s"]}
+
+
+@contextlib.contextmanager
+def _console_to(log: IO[str]) -> Iterator[None]:
+    """What this process prints to stdout and stderr in the block (and the output of the workers Ray forwards
+    to it) goes to `log`."""
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 def format_plan(result: dict[str, Any], out: Path) -> str:
-    """The plan as `rollflow plan` prints it: each candidate's simulated throughput, then the recommendation."""
-    lines = [f"simulated {result['gpus']} GPUs of profile {result['profile']} (docs/simulation.md):",
-             f"{'placement':<62} {'samples/s':>9} {'step s':>7} {'rollout s':>9} {'stale':>6}"]
-    for c in result["candidates"]:
-        lines.append(f"{c['describe']:<62} {c['samples_per_s']:>9.2f} {c['step_s']:>7.1f} {c['rollout_s']:>9.1f} "
-                     f"{c['stale_fraction']:>6.1%}")
+    """The plan as `rollflow plan` prints it: the recommendation and its settings, then each candidate's
+    simulated throughput, then where the runs are."""
     best = result["candidates"][0]
-    lines.append(f"recommended: {best['describe']}: {best['samples_per_s']:.2f} samples/s, "
-                 f"{result['speedup']:.2f}x the synchronous placement")
+    lines = [f"recommended: {best['describe']}: {best['samples_per_s']:.2f} samples/s, "
+             f"{result['speedup']:.2f}x the synchronous placement"]
     if best["max_staleness"]:
         lines.append(f"  roles.actor_train.device_mapping: {devices(0, best['train_gpus'])}, "
                      f"roles.actor_infer.device_mapping: {devices(best['train_gpus'], best['rollout_gpus'])} "
                      f"(num_workers {best['rollout_gpus']}), rollout.max_staleness: {best['max_staleness']}")
+    lines += [f"simulated {result['gpus']} GPUs of profile {result['profile']}, {result['steps']} steps each, "
+              f"responses of at most {result['max_new_tokens']} tokens (docs/simulation.md); step and rollout: "
+              "median simulated seconds, stale: groups dropped, tokens: mean trained response",
+              f"{'placement':<62} {'samples/s':>9} {'step s':>7} {'rollout s':>9} {'stale':>6} {'tokens':>7}"]
+    for c in result["candidates"]:
+        lines.append(f"{c['describe']:<62} {c['samples_per_s']:>9.2f} {c['step_s']:>7.1f} {c['rollout_s']:>9.1f} "
+                     f"{c['stale_fraction']:>6.1%} {c['response_tokens']:>7.0f}")
     lines.append(f"timelines (where each GPU role waits): {out}/<placement>/timeline.png, e.g. "
-                 f"{out / best['name'] / 'timeline.png'}")
+                 f"{out / best['name'] / 'timeline.png'}; what the runs printed: {out / 'plan.log'}")
     return "\n".join(lines)

@@ -190,7 +190,7 @@ class RoleLaunch:
         if manage_ray:
             if config.cluster.address:
                 _say(f"joining Ray at {config.cluster.address} ...")
-            elif not prestarted_ray_up():  # the command line said it when it prestarted Ray (`_prestart_ray`)
+            elif not prestarted_ray_up():  # a prestarted Ray already waited for was said by whoever waited
                 _say("starting Ray ...")
             started = time.time()
             how = start_ray(config.cluster.address, config.cluster.num_cpus)

@@ -75,6 +75,30 @@ def test_sigterm_stops_ray_through_stop_signals():
     _assert_all_gone(session_dir, started, within_s=1.0)  # stop_ray returned only once all were gone
 
 
+AFTER_STOP = """
+import ray
+from rollflow.cluster import ray_session
+ray_session.start_ray(num_cpus=1)
+ray_session.stop_ray()
+try:
+    ray.put(1)  # what a thread still spawning workers does once a stop signal made the driver stop Ray
+    print("put", flush=True)
+except Exception as error:
+    print("refused", type(error).__name__, flush=True)
+print("initialized", ray.is_initialized(), flush=True)
+ray.shutdown()
+"""
+
+
+def test_no_ray_starts_by_itself_after_stop_ray():
+    """Ray's API after `stop_ray` raises: it does not start a new local Ray (Ray's auto-init), which no reaper
+    would end (`rollflow plan` stopped by SIGTERM while its workers were still being spawned left one)."""
+    done = subprocess.run([sys.executable, "-c", AFTER_STOP], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused") and lines[1] == "initialized False", done.stdout
+
+
 HOLD_FILE = "import sys, time; log = open(sys.argv[1], sys.argv[2]); print('ready', flush=True); time.sleep(60)"
 IGNORE_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
                   "time.sleep(60)")

@@ -105,6 +105,17 @@ def test_lengths_follow_the_distribution_within_the_requests_limits():
     assert [(len(o.token_ids), o.finish_reason) for o in capped.outputs] == [(2, "length")] * 3
 
 
+def test_a_simulated_token_limit_below_one_payload_token_is_kept():
+    # `rollflow plan` with a limit of 6 tokens at token_scale 16: the request's limit is 1 payload token (16
+    # simulated ones), the engine's own 6; every row decodes 6 simulated tokens (3 rows x 6 steps = 18) and
+    # ends at the limit with its 1 payload token
+    engine = SimEngine("tiny", simulation={"time_scale": 1000.0, "token_scale": 16}, max_new_simulated_tokens=6)
+    params = SamplingParams(max_new_tokens=1, n=3, seed=0)
+    _, (completion,) = _run(engine, [GenerationRequest("six", [3, 4], params)])
+    assert [(len(o.token_ids), o.finish_reason) for o in completion.outputs] == [(1, "length")] * 3
+    assert engine.stats["decode_steps"] == 6 and engine.stats["tokens"] == 18
+
+
 def test_a_weight_load_versions_later_tokens_and_an_abort_keeps_what_was_generated():
     engine = _sim(time_scale=50.0, overrides={"sync_fixed_s": 0.0, "model_bytes": 0})
     request = GenerationRequest("long", [3] * 4, SamplingParams(max_new_tokens=20_000, min_new_tokens=20_000))
