@@ -22,6 +22,7 @@ chat format does.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,6 +166,36 @@ def resolve_image_paths(rows: list[dict], image_key: str, directory: Path | None
             row = {**row, image_key: [resolved(v) for v in value] if isinstance(value, list) else resolved(value)}
         out.append(row)
     return out
+
+
+def check_image_column(datasets: Sequence[tuple[str, Sequence[dict]]], image_key: str, default_key: str,
+                       vision: bool, key: str = "data.image_key") -> list[str]:
+    """The image column against a run's rows, all datasets together (a text-only domain may mix with image ones).
+
+    Args:
+        datasets: (source, rows) of every dataset of the run, `source` as messages name it.
+        image_key: the configured image column (`data.image_key`).
+        default_key: the config's default for it: a text run keeps it without having such a column.
+        vision: the model is a vision-language model.
+        key: the config key of `image_key`, for the messages.
+
+    Returns:
+        A warning when the model is a vision-language one and no row has images there: it gets text only.
+
+    Raises:
+        DataError: `image_key` is not the default and no row has that column (a misspelt column would
+            otherwise train a vision-language model on text only, silently): one line naming the columns.
+    """
+    rows = [row for _, part in datasets for row in part]
+    sources = " or ".join(source for source, _ in datasets)
+    columns = ", ".join(sorted({column for row in rows for column in row})) or "none"
+    if image_key != default_key and not any(image_key in row for row in rows):
+        raise DataError(f"{key} is {image_key!r}, but no row of {sources} has that column (columns: {columns}); "
+                        "set it to the column holding the images")
+    if vision and not any(row.get(image_key) for row in rows):  # as `PromptEncoder` tells a row with images
+        return [f"no row of {sources} has images in column {image_key!r} ({key}; columns: {columns}): the "
+                f"vision-language model gets text-only prompts; set {key} to the column holding the images"]
+    return []
 
 
 def row_images(row: dict, image_key: str, base_dir: Path | None = None) -> list:

@@ -27,6 +27,9 @@ ENGINE_PACKAGES = {
     "sglang": ("sglang", "pip install -e '.[sglang]' (CUDA GPUs)"),
 }
 
+# engine -> its `engine_kwargs` field that caps prompt + response tokens (the engine's context), when set
+ENGINE_CONTEXT_KWARGS = {"vllm": "max_model_len", "sglang": "context_length"}
+
 
 def check_engine_installed(name: str) -> None:
     """Raise ConfigError, one line naming the install command, when engine `name` needs a missing package."""

@@ -10,6 +10,7 @@ appended to.
 from __future__ import annotations
 
 import collections
+import sys
 from pathlib import Path
 
 from rollflow.cluster.runtime import pinned_threads
@@ -22,6 +23,7 @@ from rollflow.errors import ConfigError
 from rollflow.pipelines.phases import check_group_by, eval_group_metrics, prompt_rollout
 from rollflow.pipelines.preflight import check_inputs
 from rollflow.pipelines.run_directory import check_run_dir_writable, prepare_run_dir
+from rollflow.rollout.filters import check_some_succeeded, failure_warning
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.trackers.durable_files import append_records
 from rollflow.trackers.samples import write_samples
@@ -40,6 +42,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
 
     Raises:
         ConfigError: no eval dataset, an unwritable output directory, an eval row without a `group_by` column.
+        StepFailedError: every sample failed (a reward that always raises); their errors are written first.
     """
     data = config.data
     if data.eval is None and not any(domain.eval for domain in (data.domains or {}).values()):
@@ -51,6 +54,8 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     inputs = check_inputs(config, roles, train=False)
     tokenizer, prompts = inputs.tokenizer, inputs.eval_prompts
     check_group_by(prompts, config.eval.group_by)
+    for warning in inputs.warnings:
+        print(f"rollflow: warning: {warning}", file=sys.stderr, flush=True)
     print(describe_eval_set(data, prompts), flush=True)  # before the workers start: what the numbers will be of
     with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
@@ -64,6 +69,11 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     if prepared.note:  # an earlier eval moved aside (the note's `resume=true` advice is for training runs)
         print(prepared.note.partition(" (resume=true")[0], flush=True)
     write_samples(config.run_dir / "eval_samples.jsonl", 0, samples, len(samples), columns=config.eval.group_by)
+    check_some_succeeded(samples, "eval")  # an accuracy of 0 from a reward that always raises would mean nothing
+    warning = failure_warning(samples, "eval")
+    if warning:
+        print(f"rollflow: warning: {warning} (each failed sample's error is in eval_samples.jsonl; failed samples "
+              "count as wrong)", file=sys.stderr, flush=True)
     metrics = {**rollout_metrics(samples, prefix="eval"), **eval_group_metrics(samples, config.eval.group_by)}
     append_records(config.run_dir / "metrics.jsonl", [{"step": 0, **metrics}])
     return metrics

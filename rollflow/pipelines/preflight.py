@@ -6,13 +6,15 @@ step 11 of 12.
 
 1. the models: a local directory has weights and a tokenizer, a hub id is cached or the hub answers
    (`rollflow.models.check_model_files`);
-2. the response limits against the model's context (`check_generation_limits`);
+2. the response limits against the run's context: the model's, or the engine's when `engine_kwargs` sets a
+   shorter one (`run_context_length`, `check_generation_limits`);
 3. every row of `data.train` and `data.eval` (or of each domain's `train` and `eval`, `data.domains`),
    encoded up front (`encode_prompts`): a null, empty or non-string prompt, characters the tokenizer cannot
    represent, a prompt longer than `data.max_prompt_tokens` or one that leaves no room for the response in
    the model's context, each named by dataset and 1-based row number; rows with images through the model's
    processor (`vision_processor`): an image that cannot be read, or images for a text-only model, is one
-   line naming the row;
+   line naming the row; before that, a `data.image_key` that no row has (`check_image_column`) is one line
+   naming the columns there are, and a vision-language model given no image at all is a warning;
 4. the columns the rewards declared (`rollflow.rewards.needs_columns`) in every row, a domain's rows against
    its own rewards (`check_reward_columns`);
 5. thread counts against the machine's cores (`resource_warnings`, lines to print, not errors).
@@ -40,7 +42,8 @@ from rollflow.data.prompts import (
     load_dataset,
 )
 from rollflow.data.seeds import derive_seed
-from rollflow.data.vision import load_vision_processor, resolve_image_paths
+from rollflow.data.vision import check_image_column, load_vision_processor, resolve_image_paths
+from rollflow.engines import ENGINE_CONTEXT_KWARGS
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import (
     check_model_files,
@@ -101,6 +104,7 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     prompts: dict[str, dict[str | None, list[EncodedPrompt]]] = {"train": {}, "eval": {}}  # by domain
     limits = {"train": ("rollout.max_new_tokens", config.rollout.max_new_tokens),
               "eval": ("eval.max_new_tokens", config.eval.max_new_tokens or config.rollout.max_new_tokens)}
+    loaded: list[tuple[str, str | None, str, list[Row]]] = []  # (kind, domain, source, rows)
     for key, kind, domain, dataset in configured_datasets(data):
         if dataset is None or kind == "train" and not train:
             continue
@@ -111,9 +115,14 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
             for row in rows:
                 row["domain"] = domain  # picks the domain's rewards and names its metrics
         check_reward_columns(rows, source, reward_columns(config, domain), data.answer_key)
+        loaded.append((kind, domain, source, rows))
+    warnings = check_image_column([(source, rows) for _, _, source, rows in loaded], data.image_key,
+                                  type(data).model_fields["image_key"].default, processor is not None)
+    for kind, domain, source, rows in loaded:  # encoded once every dataset passed the checks above
         prompts[kind][domain] = encode_prompts(encoder, rows, source, max_new_tokens=limits[kind][1],
-                                               context_length=context, max_new_tokens_key=limits[kind][0])
-    warnings = resource_warnings(config, roles)
+                                               context_length=context, max_new_tokens_key=limits[kind][0],
+                                               engine_context_key=engine_context_key(config, context))
+    warnings += resource_warnings(config, roles)
     train_prompts, eval_prompts = ([p for part in prompts[kind].values() for p in part]
                                    for kind in ("train", "eval"))
     by_domain = {domain: part for domain, part in prompts["train"].items() if domain is not None}
@@ -185,30 +194,57 @@ def context_length(model_config: Any) -> int | None:
     return None
 
 
+def engine_context_length(config: Any) -> tuple[int, str] | None:
+    """The inference engine's own cap on prompt + response tokens, when `engine_kwargs` sets one (vLLM's
+    `max_model_len`, SGLang's `context_length`): (tokens, its config key); None when not set."""
+    role = config.roles.actor_infer
+    name = ENGINE_CONTEXT_KWARGS.get(role.engine)
+    value = role.engine_kwargs.get(name) if name is not None else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value, f"roles.actor_infer.engine_kwargs.{name}"
+    return None
+
+
 def run_context_length(config: Any, model_config: Any) -> int | None:
-    """The context the run's prompts and responses must fit: the model's (`context_length`), or None on a
-    simulated cluster, whose engines run no model (their tokens stand for `cluster.sim.token_scale` each)."""
-    return None if config.cluster.device == "sim" else context_length(model_config)
+    """The context the run's prompts and responses must fit: the model's (`context_length`), or the engine's
+    when `engine_kwargs` sets a shorter one (`engine_context_length`: past it vLLM cuts a response short,
+    silently); None on a simulated cluster, whose engines run no model (their tokens stand for
+    `cluster.sim.token_scale` each)."""
+    if config.cluster.device == "sim":
+        return None
+    model, engine = context_length(model_config), engine_context_length(config)
+    limits = [n for n in (model, engine[0] if engine is not None else None) if n is not None]
+    return min(limits) if limits else None
+
+
+def engine_context_key(config: Any, context: int | None) -> str | None:
+    """The `engine_kwargs` key that sets `context` (`run_context_length`), for messages; None: the model's."""
+    engine = engine_context_length(config)
+    return engine[1] if engine is not None and engine[0] == context else None
 
 
 def check_generation_limits(config: RLVRConfig, context: int | None) -> None:
-    """A response limit must leave room for a prompt in the model's context (`run_context_length`).
+    """A response limit must leave room for a prompt in the run's context (`run_context_length`).
 
     Raises:
         ConfigError: `rollout.max_new_tokens` or `eval.max_new_tokens` >= the context length.
     """
     if context is None:
         return
+    engine_key = engine_context_key(config, context)
+    holder, setting = (("the model's context", "max_position_embeddings") if engine_key is None
+                       else ("the engine's context", engine_key))
     for key, value in (("rollout.max_new_tokens", config.rollout.max_new_tokens),
                        ("eval.max_new_tokens", config.eval.max_new_tokens)):
         if value is not None and value >= context:
-            raise ConfigError(f"{key} is {value}, but the model's context holds {context} tokens "
-                              f"(max_position_embeddings), prompt included; set it below {context}")
+            raise_it = f" or raise {engine_key}" if engine_key else ""
+            raise ConfigError(f"{key} is {value}, but {holder} holds {context} tokens ({setting}), prompt "
+                              f"included; set it below {context}{raise_it}")
 
 
 def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, max_new_tokens: int = 0,
-                   context_length: int | None = None,
-                   max_new_tokens_key: str = "rollout.max_new_tokens") -> list[EncodedPrompt]:
+                   context_length: int | None = None, max_new_tokens_key: str = "rollout.max_new_tokens",
+                   engine_context_key: str | None = None) -> list[EncodedPrompt]:
     """Encode every row now, checking each prompt, so a bad row stops the run before it starts.
 
     Args:
@@ -216,8 +252,10 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
         rows: the dataset's rows.
         source: the dataset, as messages name it (`dataset_source`).
         max_new_tokens: the response limit the prompts are generated with.
-        context_length: the model's context, in tokens; None: not checked.
+        context_length: the run's context, in tokens (`run_context_length`); None: not checked.
         max_new_tokens_key: the config key of `max_new_tokens`, for the message.
+        engine_context_key: the `engine_kwargs` key that sets `context_length` (`engine_context_key`), for the
+            message; None: the model's context.
 
     Returns:
         One `EncodedPrompt` per row, in order.
@@ -248,10 +286,14 @@ def encode_prompts(encoder: PromptEncoder, rows: Sequence[Row], source: str, *, 
         check_represented(tokenizer, prompt_ids.text, prompt_ids.token_ids, where)
         total = len(prompt_ids.token_ids) + max_new_tokens
         if context_length is not None and total > context_length:
+            over = (f"the model's context of {context_length} tokens" if engine_context_key is None else
+                    f"the engine's context of {context_length} tokens ({engine_context_key})")
+            fixes = (f" or lower {max_new_tokens_key}" if engine_context_key is None else
+                     f", lower {max_new_tokens_key} or raise {engine_context_key}")
             raise DataError(
                 f"{where}: the prompt has {len(prompt_ids.token_ids)} tokens, and with {max_new_tokens_key} = "
-                f"{max_new_tokens} that is {total}, over the model's context of {context_length} tokens; keep "
-                f"prompts within {context_length - max_new_tokens} tokens or lower {max_new_tokens_key}")
+                f"{max_new_tokens} that is {total}, over {over}; keep prompts within "
+                f"{context_length - max_new_tokens} tokens{fixes}")
         encoded.append(prompt_ids)
     return encoded
 

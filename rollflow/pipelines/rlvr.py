@@ -7,6 +7,7 @@ is. Each role runs in its own Ray actor. Optional roles: `reference` (KL terms, 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from rollflow.pipelines.phases import (
 )
 from rollflow.pipelines.preflight import build_sampler, check_inputs
 from rollflow.rewards.registry import warm_up_rewards
-from rollflow.rollout.filters import check_some_succeeded, usable
+from rollflow.rollout.filters import check_some_succeeded, failure_warning, usable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.spans import span
 from rollflow.trackers.trackers import RL_COLUMNS
@@ -95,6 +96,7 @@ class RLVRStep:
         self.version = 0  # of the weights the engines hold
         self.syncs = 0
         self.parity_due = bool(config.checks.logprob_parity_samples)  # the first step this driver runs
+        self.warned_failures = False  # failed samples (a reward raising on some rows) are warned of once
 
     def roles(self) -> list[str]:
         return rlvr_roles(self.config)
@@ -156,6 +158,11 @@ class RLVRStep:
         with span("rollout"):
             result = self.core.next_batch(step, self.version)
         check_some_succeeded(result.samples, f"step {step}")
+        warning = None if self.warned_failures else failure_warning(result.samples, f"step {step}")
+        if warning:  # once a run: later failures are in rollout/failed_ratio and samples.jsonl
+            self.warned_failures = True
+            print(f"rollflow: warning: {warning} (failed samples are not trained on; later failures are counted "
+                  "in rollout/failed_ratio and logged in samples.jsonl, not printed)", file=sys.stderr, flush=True)
         metrics = {**result.metrics, **rollout_metrics(result.samples)}
         if self.parity_due:
             self.parity_due = False

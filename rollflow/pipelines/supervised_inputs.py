@@ -20,7 +20,7 @@ from typing import Any
 from rollflow.data.prompts import EncodedPrompt, PromptEncoder, Row, load_dataset
 from rollflow.data.sample import Sample
 from rollflow.data.supervised import ConversationEncoder
-from rollflow.data.vision import resolve_image_paths
+from rollflow.data.vision import check_image_column, resolve_image_paths
 from rollflow.errors import ConfigError, DataError
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.preflight import (
@@ -86,15 +86,18 @@ def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
     encoder = ConversationEncoder(tokenizer, data.messages_key, data.prompt_key, data.response_key,
                                   data.apply_chat_template, min(data.max_tokens, context or data.max_tokens),
                                   processor, data.image_key)
-    found: dict[str, EncodedDataset] = {}
-    warnings: list[str] = []
+    loaded: dict[str, list[Row]] = {}
     for key, dataset in (("data.train", data.train), ("data.validation", data.validation),
                          ("data.eval", data.eval)):
-        if dataset is None:
-            continue
-        rows = load_dataset(dataset, data.prompt_key, data.answer_key, required=())
-        rows = resolve_image_paths(rows, data.image_key, image_directory(dataset))
-        found[key] = encode_dataset(encoder, rows, dataset_source(key, dataset), config)
+        if dataset is not None:
+            rows = load_dataset(dataset, data.prompt_key, data.answer_key, required=())
+            loaded[key] = resolve_image_paths(rows, data.image_key, image_directory(dataset))
+    sources = {key: dataset_source(key, getattr(data, key.removeprefix("data."))) for key in loaded}
+    warnings = check_image_column([(sources[key], rows) for key, rows in loaded.items()], data.image_key,
+                                  type(data).model_fields["image_key"].default, processor is not None)
+    found: dict[str, EncodedDataset] = {}
+    for key, rows in loaded.items():  # encoded once every dataset passed the checks above
+        found[key] = encode_dataset(encoder, rows, sources[key], config)
         warnings += [found[key].warning] if found[key].warning else []
     if data.validation_fraction is not None:
         found["data.train"], found["data.validation"] = carve_validation(found["data.train"], data.validation_fraction,

@@ -28,6 +28,16 @@ def check_some_succeeded(samples: list[Sample], where: str) -> None:
         raise StepFailedError(f"{where}: all {len(samples)} samples failed; the first failed with: {first}")
 
 
+def failure_warning(samples: list[Sample], where: str) -> str | None:
+    """A warning line when some samples of `where` failed (a reward that raises on some rows, say), not all
+    (`check_some_succeeded` stops the run then): how many, and the first one's error; None when none failed."""
+    failed = [s for s in samples if s.status == SampleStatus.FAILED]
+    if not failed:
+        return None
+    first = (failed[0].metadata.get("error") or "no error recorded").splitlines()[0]
+    return f"{where}: {len(failed)} of {len(samples)} samples failed; the first failed with: {first}"
+
+
 def filter_by_difficulty(samples: list[Sample], bounds: tuple[float, float] | None) -> dict[str, float]:
     """Difficulty mask: mark `FILTERED` every usable sample of a group whose mean reward (over its usable
     samples) is not strictly inside `bounds` = (low, high). Such a group (all right, all wrong) has no

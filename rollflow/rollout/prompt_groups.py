@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,7 +99,7 @@ class PromptGroups:
                 results.append(err)
             play.progress()
         for future in pending.plain_futures():
-            await asyncio.wait([asyncio.wrap_future(future)])  # its outcome, error or not, is read by `finish`
+            await until_done(future)  # its outcome, error or not, is read by `finish`
             play.progress()
         started = time.perf_counter()
         for sample, outcome in zip(samples, pending.finish(results)):
@@ -143,6 +144,23 @@ class PromptGroups:
     def for_eval(self, params: SamplingParams) -> PromptGroups:
         """The eval program: the same rewards with `params` (greedy) for every prompt, no filter."""
         return PromptGroups(self.reward_fn, self.decode, params, tag="eval")
+
+
+async def until_done(future: concurrent.futures.Future) -> None:
+    """Wait until a pool future is done, leaving its outcome to be read from `future` itself.
+
+    The asyncio copy that `wrap_future` makes gets the same outcome; its exception is read as soon as it is
+    set (also when our wait was cancelled first), or collecting the copy would log "Future exception was
+    never retrieved" with the reward's traceback for every sample whose reward raised.
+    """
+    copy = asyncio.wrap_future(future)
+    copy.add_done_callback(_read_outcome)
+    await asyncio.wait([copy])
+
+
+def _read_outcome(copy: asyncio.Future) -> None:
+    if not copy.cancelled():
+        copy.exception()
 
 
 def fail(sample: Sample, err: Exception) -> None:

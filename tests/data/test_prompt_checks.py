@@ -10,13 +10,16 @@ from rollflow.data.prompts import PromptEncoder
 from rollflow.errors import ConfigError, DataError
 from rollflow.pipelines.preflight import (
     check_generation_limits,
+    check_inputs,
     check_reward_columns,
     context_length,
     dataset_source,
     encode_prompts,
+    engine_context_key,
     resource_warnings,
     run_context_length,
 )
+from rollflow.pipelines.rlvr import rlvr_roles
 from rollflow.rewards.registry import needs_columns, required_columns
 
 SOURCE = "data.train (rows.jsonl)"
@@ -136,6 +139,49 @@ def test_generation_limits_leave_room_for_a_prompt():
     # a simulated cluster runs no model: its tokens stand for cluster.sim.token_scale each
     check("rollout.max_new_tokens=512", "cluster.device=sim", "cluster.num_devices=2", "roles.actor_infer.engine=sim",
           "roles.actor_train.backend=sim")
+
+
+def test_an_engine_context_shorter_than_the_models_is_the_runs_context(encoder):
+    """vLLM's `max_model_len` (SGLang's `context_length`) below prompt + response would cut every response
+    short, silently: the checks measure against it and name it."""
+    model = SimpleNamespace(max_position_embeddings=64)
+
+    def config(*overrides):
+        return load_config(None, ["roles.actor_infer.engine=vllm", *overrides])
+
+    assert run_context_length(config("roles.actor_infer.engine_kwargs={max_model_len: 16}"), model) == 16
+    assert run_context_length(config("roles.actor_infer.engine_kwargs={max_model_len: 128}"), model) == 64
+    assert run_context_length(config("roles.actor_infer.engine=sglang",
+                                     "roles.actor_infer.engine_kwargs={context_length: 16}"), model) == 16
+    assert run_context_length(config("roles.actor_infer.engine=hf"), model) == 64  # no engine limit
+    assert run_context_length(config("roles.actor_infer.engine_kwargs={max_model_len: 16}"), SimpleNamespace()) == 16
+
+    short = config("roles.actor_infer.engine_kwargs={max_model_len: 16}", "rollout.max_new_tokens=16")
+    with pytest.raises(ConfigError) as caught:
+        check_generation_limits(short, run_context_length(short, model))
+    assert str(caught.value) == ("rollout.max_new_tokens is 16, but the engine's context holds 16 tokens "
+                                 "(roles.actor_infer.engine_kwargs.max_model_len), prompt included; set it below 16 "
+                                 "or raise roles.actor_infer.engine_kwargs.max_model_len")
+    assert engine_context_key(short, 64) is None  # a context the engine does not set is the model's
+
+    rows = [{"prompt": "1" * 5}]  # 7 tokens with the chat markers: 7 + 10 > 16
+    message = _encode_error(encoder, rows, max_new_tokens=10, context_length=16,
+                            engine_context_key="roles.actor_infer.engine_kwargs.max_model_len")
+    assert message == (f"{SOURCE} row 1: the prompt has 7 tokens, and with rollout.max_new_tokens = 10 that is 17, "
+                       "over the engine's context of 16 tokens (roles.actor_infer.engine_kwargs.max_model_len); keep "
+                       "prompts within 6 tokens, lower rollout.max_new_tokens or raise "
+                       "roles.actor_infer.engine_kwargs.max_model_len")
+
+
+def test_the_vllm_quickstart_with_a_short_max_model_len_stops_before_the_run():
+    config = load_config("examples/quickstart_vllm.yaml", ["roles.actor_infer.engine_kwargs={max_model_len: 8}",
+                                                           "data.train.limit=4", "data.eval.limit=4"])
+    with pytest.raises(DataError) as caught:
+        check_inputs(config, rlvr_roles(config))
+    assert str(caught.value) == (
+        "data.train (task 'add2') row 1: the prompt has 7 tokens, and with rollout.max_new_tokens = 6 that is 13, "
+        "over the engine's context of 8 tokens (roles.actor_infer.engine_kwargs.max_model_len); keep prompts within "
+        "2 tokens, lower rollout.max_new_tokens or raise roles.actor_infer.engine_kwargs.max_model_len")
 
 
 def test_context_length_reads_each_familys_attribute():

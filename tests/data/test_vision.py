@@ -8,11 +8,13 @@ import json
 import pytest
 import torch
 
+from rollflow.config import load_config
 from rollflow.data.prompts import EncodedPrompt, PromptEncoder, load_rows
 from rollflow.data.sample import Sample, collate
 from rollflow.data.vision import (
     IMAGE_PAD,
     VisionInputs,
+    check_image_column,
     load_vision_processor,
     read_image,
     resolve_image_paths,
@@ -22,7 +24,9 @@ from rollflow.data.vision import (
 from rollflow.data.visual_tasks import count_shapes_splits, draw_cells
 from rollflow.errors import DataError
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.preflight import encode_prompts
+from rollflow.pipelines.preflight import check_inputs, encode_prompts
+from rollflow.pipelines.rlvr import rlvr_roles
+from rollflow.pipelines.supervised_inputs import check_supervised_inputs
 
 TOKENS_PER_IMAGE = 16  # a 32x32 image: 8x8 patches of 4 pixels, merged 2x2
 
@@ -123,6 +127,72 @@ def test_a_text_only_model_given_image_rows_says_so_in_one_line(tmp_path):
     message = str(caught.value)
     assert message.startswith("data.eval row 2: the row has images (column 'images'), but the model is text-only")
     assert "\n" not in message
+
+
+def _shapes_file(tmp_path, column: str = "images") -> str:
+    """Two rows of a JSONL dataset whose images (a file each) are in `column`."""
+    _image(cells=(1, 2)).save(tmp_path / "two.png")
+    rows = [{"prompt": "How many red squares?", column: "two.png", "answer": "2"},
+            {"prompt": "How many red squares?", column: ["two.png"], "answer": "2"}]
+    (tmp_path / "shapes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(tmp_path / "shapes.jsonl")
+
+
+def _vlm_inputs(*overrides: str):
+    config = load_config(None, ["model.path=tiny-vl", "data.eval=null", *overrides])
+    return check_inputs(config, rlvr_roles(config))
+
+
+def test_an_image_key_that_no_row_has_is_one_line_naming_the_columns(tmp_path):
+    """A misspelt `data.image_key` would train the VLM on text only: refused before anything is encoded."""
+    data = _shapes_file(tmp_path)
+    with pytest.raises(DataError) as caught:
+        _vlm_inputs(f"data.train={{path: {data}}}", "data.image_key=image")
+    assert str(caught.value) == (f"data.image_key is 'image', but no row of data.train ({data}) has that column "
+                                 "(columns: answer, images, prompt); set it to the column holding the images")
+    # the key that names the column encodes the images
+    inputs = _vlm_inputs(f"data.train={{path: {data}}}")
+    assert [p.vision.num_images for p in inputs.train_prompts] == [1, 1]
+    assert not any("image" in warning for warning in inputs.warnings)
+
+
+def test_a_vlm_given_rows_without_images_is_warned_that_it_gets_text_only(tmp_path):
+    """The default key, the images in another column: the run goes on (a VLM may train on text) and says so."""
+    data = _shapes_file(tmp_path, column="image")
+    inputs = _vlm_inputs(f"data.train={{path: {data}}}")
+    assert [p.vision for p in inputs.train_prompts] == [None, None]
+    assert (f"no row of data.train ({data}) has images in column 'images' (data.image_key; columns: answer, "
+            "image, prompt): the vision-language model gets text-only prompts; set data.image_key to the column "
+            "holding the images") in inputs.warnings
+
+
+def test_sft_gets_the_same_image_column_check(tmp_path):
+    data = _shapes_file(tmp_path)
+    rows = [{**json.loads(line), "response": "2"} for line in open(data)]
+    (tmp_path / "shapes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, ["pipeline=sft", "model.path=tiny-vl", f"data.train={{path: {data}}}", "data.eval=null",
+                                "train.batch_size=2", "data.image_key=image"])
+    with pytest.raises(DataError, match=r"^data.image_key is 'image', but no row of data.train \(.*shapes.jsonl\) "
+                                        r"has that column \(columns: answer, images, prompt, response\)"):
+        check_supervised_inputs(config, ["actor_train"])
+
+
+def test_the_image_column_check_reads_every_dataset_of_the_run():
+    with_images = ("data.train (shapes.jsonl)", [{"prompt": "?", "img": "a.png"}, {"prompt": "?"}])
+    text_only = ("data.domains.math.train (task 'add2')", [{"prompt": "1+1="}])
+    empty = ("data.eval (empty.jsonl)", [{"prompt": "?", "img": None}, {"prompt": "?", "img": []}])
+    # a text-only dataset next to one with images, under a key that is not the default: nothing to say
+    assert check_image_column([with_images, text_only], "img", "images", vision=True) == []
+    # a text run keeps the default key without such a column
+    assert check_image_column([text_only], "images", "images", vision=False) == []
+    # a column that is there but empty everywhere: a warning for a VLM only, not an error
+    assert len(check_image_column([empty], "img", "images", vision=True)) == 1
+    assert check_image_column([empty], "img", "images", vision=False) == []
+    # a key that names no column of any dataset: an error for a text model too
+    with pytest.raises(DataError, match=r"^data.image_key is 'picture', but no row of data.domains.math.train "
+                                        r"\(task 'add2'\) or data.eval \(empty.jsonl\) has that column "
+                                        r"\(columns: img, prompt\); set it"):
+        check_image_column([text_only, empty], "picture", "images", vision=False)
 
 
 def test_a_prompt_whose_markers_disagree_with_its_images_is_refused(encoder):

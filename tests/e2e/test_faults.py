@@ -4,7 +4,9 @@ every row. A reward that hangs on some rows costs those samples `reward.timeout_
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -209,13 +211,18 @@ def rewards_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_session, tmp_path, rewards_module):
+def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_session, tmp_path, rewards_module,
+                                                                        caplog):
     config = load_config(None, [*SMALL, "reward.functions=[{name: 'user_rewards:always_fails'}]", "data.eval=null",
                                 "name=broken", f"output.dir={tmp_path}"])
-    message = _assert_one_line(_run_until_it_fails(config), StepFailedError)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        error = _run_until_it_fails(config)
+        gc.collect()  # an asyncio future's unread exception is logged when the future is collected
+    message = _assert_one_line(error, StepFailedError)
     # 4 prompts x 4 samples, and the 4 prompts that refilled the failed groups (rollout.max_refill_groups)
     assert message == "step 1: all 32 samples failed; the first failed with: RuntimeError: this reward is broken"
     assert not (config.run_dir / "checkpoints").exists()  # nothing trained, nothing saved
+    assert "never retrieved" not in caplog.text, caplog.text  # no reward traceback on the console either
 
 
 def test_a_reward_that_hangs_on_some_rows_fails_only_those_samples(ray_session, tmp_path, rewards_module):

@@ -1,5 +1,5 @@
 from rollflow.data.sample import Sample, SampleStatus
-from rollflow.rollout.filters import filter_by_difficulty, usable
+from rollflow.rollout.filters import failure_warning, filter_by_difficulty, usable
 from tests.conftest import step_samples
 
 
@@ -31,3 +31,11 @@ def test_difficulty_mask_counts_only_usable_samples_of_a_group():
     metrics = filter_by_difficulty(samples, (0.0, 1.0))
     assert usable(samples) == [] and metrics["difficulty_mask/kept_samples"] == 0.0
     assert samples[1].status == SampleStatus.FAILED  # a failed sample stays failed
+
+
+def test_a_failure_warning_counts_the_failed_samples_and_names_the_first_error():
+    samples = step_samples()  # its 4th sample failed, with no error recorded
+    samples[1].status, samples[1].metadata["error"] = SampleStatus.FAILED, "ValueError: bad row\nmore lines"
+    assert failure_warning(samples, "step 3") == ("step 3: 2 of 4 samples failed; the first failed with: "
+                                                  "ValueError: bad row")
+    assert failure_warning(step_samples()[:3], "step 3") is None
