@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Generic, TypeVar
 
-from rollflow.errors import RollflowError
+from rollflow.errors import ConfigError, RollflowError
 
 T = TypeVar("T")
 
@@ -99,3 +99,43 @@ def import_object(spec: str):
     working directory: `import_module`)."""
     module_name, _, attribute = spec.partition(":")
     return getattr(import_module(module_name), attribute)
+
+
+def import_factory(spec: str, kind: str) -> Callable:
+    """The callable `module:attribute` names, for a user's own env, tool, ... given by dotted path (the module
+    may sit in the working directory: `import_module`).
+
+    Args:
+        spec: `pkg.module:attribute`.
+        kind: what it names, for the errors ("env", "tool").
+
+    Raises:
+        ConfigError: the path is malformed, the module fails to import (missing, a syntax error, an exception
+            at import: the user's module's problem, said in one line), or the attribute is missing or not
+            callable.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{kind} {spec!r} is not of the form 'pkg.module:factory'")
+    try:
+        module = import_module(module_name)
+    except Exception as err:  # noqa: BLE001  (anything raised at import is the user module's problem)
+        reason = _one_line(err)
+        if isinstance(err, SyntaxError) and err.lineno is not None:
+            reason += f" ({err.filename}, line {err.lineno})"
+        if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
+            reason += f"; looked on sys.path and in the working directory {os.getcwd()}"
+        raise ConfigError(f"{kind} {spec!r}: cannot import module {module_name!r} ({reason})") from None
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise ConfigError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        raise ConfigError(f"{kind} {spec!r}: {attribute!r} is not callable")
+    return factory
+
+
+def _one_line(err: BaseException) -> str:
+    """`Type: first line of the message` (a SyntaxError's own message, without its file and line)."""
+    text = err.msg if isinstance(err, SyntaxError) and err.msg else str(err)
+    lines = text.strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

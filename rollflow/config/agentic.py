@@ -172,13 +172,19 @@ class AgenticConfig(RunConfigBase):
 
     @model_validator(mode="after")
     def _env_exists(self) -> AgenticConfig:
-        from rollflow.envs.make import check_env_id
+        """The env id, and what its kwargs can say without making it (a `tool_use` env's tools), before Ray."""
+        from rollflow.envs.make import check_env_id, check_env_settings
         from rollflow.errors import RollflowError
 
         try:
             check_env_id(self.env.id)
         except (RollflowError, KeyError) as err:
             raise ValueError(str(err)) from None
+        for setting, kwargs in (("env.kwargs", self.env.kwargs), ("env.eval_kwargs", self.env.eval_kwargs)):
+            try:
+                check_env_settings(self.env.id, kwargs)
+            except (RollflowError, KeyError) as err:
+                raise ValueError(f"{setting}: {err}") from None
         return self
 
     @model_validator(mode="after")

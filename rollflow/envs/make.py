@@ -10,7 +10,8 @@ episodes over several servers.
 
 from __future__ import annotations
 
-import os
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +21,9 @@ from rollflow.envs.adapters import make_gem_env, make_gym_env
 from rollflow.envs.base import ENVS, Env
 from rollflow.envs.tool_use import ToolUseEnv
 from rollflow.errors import ConfigError
-from rollflow.registry import import_module
+from rollflow.registry import import_factory
+from rollflow.tools.base import check_tools
+from rollflow.tools.parsers import TOOL_PARSERS
 
 _ADAPTER_PREFIXES = ("gem:", "gym:")
 _URL_SCHEMES = ("http://", "https://")
@@ -77,6 +80,33 @@ def check_env_id(env_id: str | list[str]) -> None:
         ENVS.get(env_id)
 
 
+def check_env_settings(env_id: str | list[str], kwargs: dict[str, Any]) -> None:
+    """Fail at config load, not in a worker, on what can be checked of an env's kwargs without making the env:
+    a `tool_use` env's option names, tools (`rollflow.tools.check_tools`: names, dotted paths, options, an MCP
+    server's command; nothing is started, connected or indexed), tool-call parser and inner env (its id, and
+    its own kwargs when it is a `tool_use` env too). Other envs check their kwargs when they are made.
+
+    Raises:
+        ConfigError, UnknownNameError: one line saying what is wrong.
+    """
+    if env_id != "tool_use" or not isinstance(kwargs, dict):
+        return
+    valid = ["tools", "env", "env_kwargs",
+             *[name for name in inspect.signature(ToolUseEnv).parameters if name not in ("inner", "tools")]]
+    for option in kwargs:
+        if option not in valid:
+            near = difflib.get_close_matches(option, valid, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"env 'tool_use': unknown option {option!r}.{hint} Valid: {', '.join(valid)}")
+    if not kwargs.get("tools"):
+        raise ConfigError("env 'tool_use' needs at least one tool (tools: [calculator], ...)")
+    check_tools(kwargs["tools"])
+    TOOL_PARSERS.get(kwargs.get("parser", "qwen"))
+    inner = kwargs.get("env", "prompts")
+    check_env_id(inner)
+    check_env_settings(inner, kwargs.get("env_kwargs") or {})
+
+
 def env_urls(env_id: str | list[str]) -> list[str] | None:
     """The server URLs of a remote env id (`http://host:port/ENV`, or a list of them), trailing `/` removed;
     None for a local id (a built-in name, `gem:`, `gym:`, a dotted path).
@@ -123,35 +153,6 @@ def _checked_url(url: Any) -> str:
 
 
 def _from_dotted_path(env_id: str) -> Callable[..., Env]:
-    """The factory `module:attribute` names (the module may sit in the working directory: `import_module`).
-
-    Raises:
-        ConfigError: the path is malformed, the module fails to import (missing, a syntax error, an exception
-            at import: the user's module's problem, said in one line), or the attribute is missing or not
-            callable.
-    """
-    module_name, _, attribute = env_id.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"env {env_id!r} is not of the form 'pkg.module:factory'")
-    try:
-        module = import_module(module_name)
-    except Exception as err:  # noqa: BLE001  (anything raised at import is the user module's problem)
-        reason = _one_line(err)
-        if isinstance(err, SyntaxError) and err.lineno is not None:
-            reason += f" ({err.filename}, line {err.lineno})"
-        if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
-            reason += f"; looked on sys.path and in the working directory {os.getcwd()}"
-        raise ConfigError(f"env {env_id!r}: cannot import module {module_name!r} ({reason})") from None
-    factory = getattr(module, attribute, None)
-    if factory is None:
-        raise ConfigError(f"env {env_id!r}: module {module_name!r} has no attribute {attribute!r}")
-    if not callable(factory):
-        raise ConfigError(f"env {env_id!r}: {attribute!r} is not callable")
-    return factory
-
-
-def _one_line(err: BaseException) -> str:
-    """`Type: first line of the message` (a SyntaxError's own message, without its file and line)."""
-    text = err.msg if isinstance(err, SyntaxError) and err.msg else str(err)
-    lines = text.strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    """The factory `module:attribute` names (`rollflow.registry.import_factory`: one line for a malformed path, a
+    module that fails to import, an attribute that is missing or not callable)."""
+    return import_factory(env_id, "env")

@@ -7,8 +7,11 @@ answered too slowly, answered 5xx or something that is not the expected JSON, or
 retried on a fresh session: preferably on another server (a server that failed gets no new session for
 `FAILED_SERVER_REST_S` while another can serve), it is reset with the episode's seed and kwargs, the
 episode's actions so far are replayed (envs are deterministic per seed; a replay that sees another observation
-gives up), then the failed call runs again. At most `retries` times a call, then `RemoteEnvError`. The env's
-own exception (or an env breaking the protocol) is not retried: it fails the episode, as it would in process.
+gives up), then the failed call runs again. At most `retries` times a call, then `RemoteEnvError`. A retry goes
+at once to a server that has not failed this call; once every server has, the client first waits (`backoff_s`,
+doubling each time, each wait at most `BACKOFF_CAP_S` and `timeout_s`), so a server restarted within seconds is
+reached again. The env's own exception (or an env breaking the protocol) is not retried: it fails the episode,
+as it would in process.
 Every reset's and step's info carries `env_retries`, the retries that call needed.
 
 Connections are pooled in one `httpx.Client` per process (it is thread-safe: an env worker steps many envs on
@@ -30,6 +33,7 @@ from rollflow.errors import RollflowError
 
 CLOSE_TIMEOUT_S = 2.0  # a close is a courtesy: the server expires forgotten sessions by itself
 FAILED_SERVER_REST_S = 10.0  # a server that just failed gets no new session for this long, while others serve
+BACKOFF_CAP_S = 8.0  # the longest wait before a retry (the waits double from `backoff_s`)
 
 _lock = threading.Lock()
 _client: httpx.Client | None = None
@@ -95,17 +99,23 @@ class RemoteEnv:
         timeout_s: time limit of one HTTP request (keep it above the server's `--step-timeout-s`, so a slow env
             answers 504 before the client gives up).
         retries: fresh sessions a failed call may use before `RemoteEnvError`.
+        backoff_s: the wait before the first retry that finds every server failed in this call; each later wait
+            doubles, at most `BACKOFF_CAP_S` and `timeout_s` (0: no waits). A call's waits add up to at most
+            `retries * min(BACKOFF_CAP_S, timeout_s)`.
         **env_kwargs: sent with every reset; the server passes them to the env's constructor (over its own
             `--env-kwargs`).
     """
 
-    def __init__(self, urls: list[str], timeout_s: float = 30.0, retries: int = 2, **env_kwargs: Any):
+    def __init__(self, urls: list[str], timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 1.0,
+                 **env_kwargs: Any):
         if not urls:
             raise RemoteEnvError("RemoteEnv needs at least one server URL")
-        if not timeout_s > 0 or retries < 0:
-            raise RemoteEnvError(f"RemoteEnv needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
+        if not timeout_s > 0 or retries < 0 or not backoff_s >= 0:
+            raise RemoteEnvError(f"RemoteEnv needs timeout_s > 0, retries >= 0 and backoff_s >= 0, got {timeout_s}, "
+                                 f"{retries} and {backoff_s}")
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout_s, self.retries, self.env_kwargs = float(timeout_s), int(retries), env_kwargs
+        self.backoff_s = float(backoff_s)
         self.url: str | None = None  # the server of the current session (or of the last attempt at one)
         self.session: str | None = None
         self.seed: int | None = None
@@ -163,9 +173,13 @@ class RemoteEnv:
 
     def _retrying(self, what: str, call, open_first: bool = False) -> tuple[dict[str, Any], int]:
         """`call()`, after opening a session when `open_first`; each retryable failure opens a fresh session
-        (replaying the episode) and calls again, `retries` times at most. Returns (reply, retries used)."""
-        avoid, failure = None, ""
+        (replaying the episode) and calls again, `retries` times at most, after a wait once every server has
+        failed this call (`backoff_wait`). Returns (reply, retries used)."""
+        avoid, failure, failed, waits = None, "", set(), 0
         for attempt in range(self.retries + 1):
+            if attempt and failed.issuperset(self.urls):  # no server left untried: give them time to come back
+                _pause(self.backoff_wait(waits))
+                waits += 1
             try:
                 if open_first or attempt:
                     self.close()
@@ -173,11 +187,17 @@ class RemoteEnv:
                 return call(), attempt
             except _Retryable as err:
                 avoid, failure = self.url, str(err)
+                failed.add(avoid)
                 with _lock:
                     _resting[avoid] = time.monotonic() + FAILED_SERVER_REST_S
         self.close()
         tries = "retry" if self.retries == 1 else "retries"
         raise RemoteEnvError(f"env server {avoid}: {what} failed after {self.retries} {tries}: {failure}")
+
+    def backoff_wait(self, waits: int) -> float:
+        """Seconds to wait before a retry, after `waits` earlier waits in the call: `backoff_s` doubled `waits`
+        times, at most `BACKOFF_CAP_S` and `timeout_s`."""
+        return min(self.backoff_s * 2.0 ** waits, BACKOFF_CAP_S, self.timeout_s)
 
     def _open(self, avoid: str | None) -> None:
         """A new session on the least loaded server (not `avoid`, when there is another), reset with the
@@ -242,6 +262,11 @@ class RemoteEnv:
         if response.status_code >= 500 or kind == "session":
             raise _Retryable(f"HTTP {response.status_code}: {error}")
         raise RemoteEnvError(f"env server {url}: HTTP {response.status_code}: {error}")
+
+
+def _pause(seconds: float) -> None:
+    """Wait between two tries of a call (tests replace it to count the waits instead of sleeping)."""
+    time.sleep(seconds)
 
 
 def _first_line(err: BaseException) -> str:

@@ -17,8 +17,10 @@ from rollflow.envs.make import check_env_id, env_urls, make_env
 from rollflow.errors import ConfigError, RollflowError
 
 EXIT_USER_ERROR = 2
-MAKE_TIMEOUT_S = 120.0  # the least time limit of the first env (its package's import may come first)
+MAKE_TIMEOUT_S = 120.0  # the least time limit of making the first env (its package's import may come first)
 SHUTDOWN_GRACE_S = 5.0  # requests still running at Ctrl-C / SIGTERM get this long to finish
+MAX_PORT = 65535
+BACKLOG = 2048  # uvicorn's default listen backlog
 
 
 def add_serve_parser(commands: Any) -> argparse.ArgumentParser:
@@ -34,12 +36,15 @@ def add_serve_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("env_id", help="frozenlake, sokoban, guess_number, countdown, gem:<id>, gym:<id>, pkg.mod:fn")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; there is no auth: use a private network)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="port to listen on, 0 to 65535 (default 8000; 0: a free port, printed once bound)")
     serve.add_argument("--env-kwargs", default="{}", help='env keyword arguments as JSON, e.g. \'{"size": 5}\'')
     serve.add_argument("--max-sessions", type=int, default=256,
                        help="most live sessions (episodes); a reset past it answers 503 (default 256)")
     serve.add_argument("--step-timeout-s", type=float, default=30.0,
-                       help="time limit of one env reset or step; past it the session is dropped (default 30)")
+                       help="time limit of one env reset or step; past it the session is dropped (default 30); "
+                            "the first env made at start-up gets at least 120 s to be made (its imports), "
+                            "then this limit for its reset")
     serve.add_argument("--idle-timeout-s", type=float, default=600.0,
                        help="a session unused this long is closed (its client died; default 600)")
     serve.set_defaults(handler=serve_main)
@@ -54,6 +59,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """
     try:
         env_kwargs = _checked(args)
+        listener = _listen(args.host, args.port)
     except RollflowError as err:
         print(f"rollflow: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -61,19 +67,22 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from rollflow.envs.service import create_app
 
+    port = listener.getsockname()[1]  # the port bound: the one asked for, or the free one `--port 0` got
     app = create_app(args.env_id, env_kwargs, args.max_sessions, args.step_timeout_s, args.idle_timeout_s)
-    print(f"serving {args.env_id} at http://{args.host}:{args.port}/{args.env_id} "
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    print(f"serving {args.env_id} at http://{_url_host(args.host)}:{port}/{args.env_id} "
           f"(max {args.max_sessions} sessions)", flush=True)
     # uvicorn catches SIGINT and SIGTERM, stops accepting, lets running requests finish, then raises the signal
     # again under the handlers it found: KeyboardInterrupt for SIGINT, `_Stopped` for SIGTERM
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        server.run(sockets=[listener])  # serves on the socket bound above: no second bind, no race for the port
     except (KeyboardInterrupt, _Stopped):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        listener.close()
     return 0
 
 
@@ -86,11 +95,13 @@ def _stopped(signum: int, frame: Any) -> None:
 
 
 def _checked(args: argparse.Namespace) -> dict[str, Any]:
-    """The env kwargs, after checking the arguments, the env id, one env made and reset, and the port.
+    """The env kwargs, after checking the arguments, the env id, and one env made and reset.
 
     Raises:
         ConfigError: any of them is wrong (one line).
     """
+    if not 0 <= args.port <= MAX_PORT:
+        raise ConfigError(f"--port must be 0 to {MAX_PORT} (0: any free port), got {args.port}")
     try:
         env_kwargs = json.loads(args.env_kwargs)
     except json.JSONDecodeError as err:
@@ -102,26 +113,45 @@ def _checked(args: argparse.Namespace) -> dict[str, Any]:
     if env_urls(args.env_id) is not None:
         raise ConfigError(f"{args.env_id!r} is an env server's URL; serve an env id (frozenlake, pkg.mod:fn, ...)")
     check_env_id(args.env_id)
-    _make_and_reset(args.env_id, env_kwargs, max(args.step_timeout_s, MAKE_TIMEOUT_S))
-    try:
-        with socket.create_server((args.host, args.port)):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+    _make_and_reset(args.env_id, env_kwargs, max(args.step_timeout_s, MAKE_TIMEOUT_S), args.step_timeout_s)
     return env_kwargs
 
 
-def _make_and_reset(env_id: str, env_kwargs: dict[str, Any], limit_s: float) -> None:
-    """Make one env, reset it with seed 0 and close it, on a daemon thread awaited `limit_s` at most.
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, which the server then serves on (uvicorn's
+    `Server.run(sockets=...)`); port 0 binds a free port (`getsockname()` says which).
 
     Raises:
-        ConfigError: it raised (a constructor refusing its kwargs, an env failing its reset) or ran past the limit.
+        ConfigError: the address cannot be bound (in use, not this machine's, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+    except (OSError, OverflowError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _make_and_reset(env_id: str, env_kwargs: dict[str, Any], make_limit_s: float, reset_limit_s: float) -> None:
+    """Make one env (awaited `make_limit_s` at most: the first one may import its package), reset it with seed 0
+    (awaited `reset_limit_s`, the limit every reset of the server has) and close it, on a daemon thread.
+
+    Raises:
+        ConfigError: it raised (a constructor refusing its kwargs, an env failing its reset) or ran past a limit.
     """
     outcome: dict[str, BaseException] = {}
+    made = threading.Event()
 
     def run() -> None:
         try:
-            env = make_env(env_id, **env_kwargs)
+            try:
+                env = make_env(env_id, **env_kwargs)
+            finally:
+                made.set()  # made, or failed to be: either way the reset's limit applies from here
             env.reset(seed=0)
             close = getattr(env, "close", None)
             if callable(close):
@@ -131,10 +161,12 @@ def _make_and_reset(env_id: str, env_kwargs: dict[str, Any], limit_s: float) -> 
 
     thread = threading.Thread(target=run, name="env-check", daemon=True)
     thread.start()
-    thread.join(limit_s)
     where = f"env {env_id!r} with --env-kwargs {env_kwargs}"
+    if not made.wait(make_limit_s):
+        raise ConfigError(f"{where}: making one env ran past {make_limit_s:g} s")
+    thread.join(reset_limit_s)
     if thread.is_alive():
-        raise ConfigError(f"{where}: making and resetting one env ran past {limit_s:g} s")
+        raise ConfigError(f"{where}: resetting one env (seed 0) ran past --step-timeout-s {reset_limit_s:g} s")
     err = outcome.get("error")
     if isinstance(err, RollflowError):
         raise err

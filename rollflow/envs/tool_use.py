@@ -12,8 +12,8 @@ see `rollflow.tools.parsers`):
 - no call: the text is the action of the inner env (or the answer the prompt's reward scores).
 
 The tools' schemas are the env's `tools()`: the rollout renders them into the first prompt with the chat
-template (`apply_chat_template(..., tools=...)`). Every step's info counts `tool_calls`, `tool_errors` and
-`tool_seconds` (the `rollout/tool_*` metrics).
+template (`apply_chat_template(..., tools=...)`). Every step's info counts `tool_calls` (malformed ones too),
+`tool_errors` (at most `tool_calls`) and `tool_seconds` (the `rollout/tool_*` metrics).
 """
 
 from __future__ import annotations
@@ -93,8 +93,10 @@ class ToolUseEnv:
             results.append(f"error: {parsed.error}")
             errors, invalid = errors + 1, True
         reward = self.invalid_penalty if invalid else (self.tool_reward if errors == 0 else 0.0)
+        # an unreadable call is a call too (a failed one), so `tool_errors` never exceeds `tool_calls`
+        calls = len(parsed.calls) + (parsed.error is not None)
         info = {"success": False, "invalid_action": invalid, "anchor": "\n".join(results), "tool_results": results,
-                **_counts(len(parsed.calls), errors, seconds)}
+                **_counts(calls, errors, seconds)}
         return "\n".join(results), reward, False, False, info
 
     def _call(self, call: ToolCall) -> tuple[str, bool, bool]:

@@ -24,9 +24,15 @@ from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import reference_logprobs, sync_weights
 from rollflow.pipelines.preflight import check_no_vision_critic, run_context_length, vision_processor
 from rollflow.rollout.core import CoreSettings, RolloutCore
-from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
+from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource, turns_that_fit
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
-from rollflow.rollout.episodes import EpisodeErrorWarnings, episode_metrics, no_episodes_error
+from rollflow.rollout.episodes import (
+    ContextLimitWarning,
+    EpisodeErrorWarnings,
+    TurnBudget,
+    episode_metrics,
+    no_episodes_error,
+)
 from rollflow.rollout.filters import usable
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
@@ -101,7 +107,7 @@ class AgenticStep:
 
     def check_inputs(self, roles: list[str]) -> list[str]:
         """The model's files (a missing or cut-short weights file is named here, not by a worker), its
-        tokenizer and context."""
+        tokenizer and context, and that the system prompt leaves room for a turn (`check_system_prompt_fits`)."""
         model = self.config.model
         check_model_files(model.path)
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
@@ -110,6 +116,7 @@ class AgenticStep:
         check_no_vision_critic(self.processor, self.config.algorithm)
         self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, processor=self.processor)
         self.settings = episode_settings(self.config, run_context_length(self.config, model_config))
+        check_system_prompt_fits(self.encoder, self.settings, self.sampling.max_new_tokens)
         return []
 
     def start_lines(self) -> list[str]:
@@ -117,11 +124,16 @@ class AgenticStep:
 
     def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
         """One env made and reset (`check_envs`) before anything is played, its tools (if any) rendered into the
-        first prompt; then the rollout core over env groups."""
+        first prompt, its first turn checked against the context (`check_turn_budget`); then the rollout core
+        over env groups."""
         self.groups, self.colocation = groups, colocation
-        tools = check_envs(groups["env"], self.config)
+        tools, first_observations = check_envs(groups["env"], self.config)
         if tools:  # the env's tools go into the first prompt, by the chat template
             self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, tools, self.processor)
+        budget, lines = check_turn_budget(self.encoder, first_observations, self.settings,
+                                          self.sampling.max_new_tokens)
+        warn(lines)
+        self.context_warning = ContextLimitWarning(budget)
         self.core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
                                 self.settings, self.sampling)
         self.eval_program = self.core.program.for_eval(self.greedy)
@@ -135,7 +147,7 @@ class AgenticStep:
 
     def evaluate(self, step: int) -> dict[str, float]:
         return evaluate(self.core, self.eval_program, self.colocation, self.eval_seeds, f"eval at step {step}",
-                        self.errors)
+                        self.errors, self.context_warning)
 
     def state(self, step: int, initial_eval: dict) -> dict:
         return {"step": step, "rollout": self.core.state(), "initial_eval": initial_eval}
@@ -158,6 +170,7 @@ class AgenticStep:
             played = {s.metadata["episode"] for s in result.samples if s.status == SampleStatus.FILTERED}
             raise no_episodes_error(f"step {step}", failed, len(played), self.config.rollout.group_size)
         warn(self.errors.lines(f"step {step}", failed))
+        warn(self.context_warning.lines(f"step {step}", samples))
         return Played(samples, failed_logged), {**result.metrics, **episode_metrics(samples, "rollout", failed)}
 
     def train(self, step: int, work: Played) -> dict[str, float]:
@@ -211,6 +224,70 @@ def episode_settings(config: AgenticConfig, model_context: int | None) -> Episod
         step_timeout_s=config.env.step_timeout_s)
 
 
+def check_system_prompt_fits(encoder: TurnEncoder, settings: EpisodeSettings, max_new_tokens: int) -> None:
+    """The first prompt without its observation (the system prompt and the chat markers) and a turn's
+    `max_new_tokens` must fit the context: checked before any env is made.
+
+    Raises:
+        ConfigError: they do not (one line, with the numbers).
+    """
+    prefix = len(encoder.first_prompt(""))
+    if prefix + max_new_tokens > settings.max_context_tokens:
+        raise ConfigError(f"env.system_prompt takes {prefix} tokens with the chat template's markers, and with "
+                          f"rollout.max_new_tokens = {max_new_tokens} that is over the context of "
+                          f"{settings.max_context_tokens} tokens before any observation; shorten env.system_prompt, "
+                          "lower rollout.max_new_tokens or use a model with a longer context")
+
+
+def check_turn_budget(encoder: TurnEncoder, first_observations: dict[str, tuple[str, object]],
+                      settings: EpisodeSettings, max_new_tokens: int) -> tuple[TurnBudget, list[str]]:
+    """Check the envs' first turn (seed 0's observation, `check_envs`) against the context, and how many of
+    `env.max_turns` turns surely fit it (`turns_that_fit`), each turn taking all its `max_new_tokens` and each
+    observation after it as long as the first (after a tool env's call: the tool results' markers alone).
+
+    Args:
+        encoder: renders the turns (with the env's tools).
+        first_observations: `env.kwargs` (and `env.eval_kwargs`) -> (seed 0's first observation, its images).
+        settings: the episodes' context and turn limits.
+        max_new_tokens: `rollout.max_new_tokens`.
+
+    Returns:
+        The turns' `TurnBudget` (for `ContextLimitWarning`), and a warning line when fewer than `env.max_turns`
+        turns surely fit.
+
+    Raises:
+        ConfigError: not even the first turn fits (one line, with the numbers).
+    """
+    context, prefix = settings.max_context_tokens, len(encoder.first_prompt(""))
+    budget = TurnBudget(context, max_new_tokens, settings.max_turns, prefix)
+    warnings: list[str] = []
+    for setting, (observation, images) in first_observations.items():
+        vision = encoder.vision(images)
+        first = len(encoder.first_prompt(observation, vision))
+        if first + max_new_tokens > context:
+            raise ConfigError(
+                f"the first turn does not fit the context: with {setting}, the first prompt (seed 0) has {first} "
+                f"tokens ({prefix} of them the system prompt, tools and chat markers), and with "
+                f"rollout.max_new_tokens = {max_new_tokens} that is over the context of {context} tokens "
+                "(rollout.max_context_tokens, default the model's); lower rollout.max_new_tokens, shorten "
+                "env.system_prompt or the observations, or use a model with a longer context")
+        if encoder.tools:  # the turn after a call: the tool results' markers (the results may be short)
+            later, what = len(encoder.tool_turn([""], [])), "the tool results' markers"
+        else:  # the turn after a move: an observation as long as the first
+            later, what = len(encoder.observation_turn(observation, [], vision)), "an observation as long as the first"
+        fit = turns_that_fit(first, later, settings, max_new_tokens)
+        if fit < settings.max_turns and not warnings:
+            fits = f"{fit} turn surely fits" if fit == 1 else f"{fit} turns surely fit"
+            warnings.append(
+                f"env.max_turns is {settings.max_turns}, but only {fits} the context of {context} tokens: with "
+                f"{setting}, the first prompt (seed 0) takes {first} tokens and each later turn up to "
+                f"rollout.max_new_tokens = {max_new_tokens} plus {later} for {what}; an episode "
+                "whose turns run that long ends truncated at the context limit, its last turn unplayed "
+                "(rollout/context_truncated_frac). Lower rollout.max_new_tokens or env.max_turns, or use a model "
+                "with a longer context")
+    return budget, warnings
+
+
 def env_rollout(config: AgenticConfig, engines: list, env_workers: list, encoder: TurnEncoder,
                 settings: EpisodeSettings, sampling: SamplingParams) -> RolloutCore:
     """The run's rollout core playing env groups: training seeds drawn below `eval.seed_start`, the group
@@ -253,8 +330,9 @@ def readable(samples: list, tokenizer) -> list:
 
 
 def evaluate(core: RolloutCore, program: EnvGroups, colocation: ColocationManager, seeds: list[int], where: str,
-             errors: EpisodeErrorWarnings) -> dict[str, float]:
+             errors: EpisodeErrorWarnings, context: ContextLimitWarning | None = None) -> dict[str, float]:
     """One greedy episode per held-out seed (`program`: the eval envs, greedy): `eval/success`, `eval/return`, ...
+    Episode errors are warned of by `errors`, episodes cut at the context limit by `context`.
 
     Raises:
         StepFailedError: every eval episode failed (a success rate of 0 would mean nothing).
@@ -268,16 +346,19 @@ def evaluate(core: RolloutCore, program: EnvGroups, colocation: ColocationManage
     if len(failed) == len({s.metadata["episode"] for s in samples}):
         raise no_episodes_error(where, failed, 0, 1)
     warn(errors.lines(where, failed))
+    if context is not None:
+        warn(context.lines(where, samples, "eval"))
     return {**episode_metrics(samples, "eval"), "eval/episodes_failed": float(len(failed))}
 
 
-def check_envs(env_workers, config: AgenticConfig) -> list[dict]:
+def check_envs(env_workers, config: AgenticConfig) -> tuple[list[dict], dict[str, tuple[str, object]]]:
     """Make and reset one env with `env.kwargs` (and one with `env.eval_kwargs`) on env worker 0 before anything
     is played: an env that cannot be made (a constructor that refuses its kwargs) or reset stops the run here
     with one line, instead of failing every episode.
 
     Returns:
-        The env's tools (JSON-schema specs, from its `tools()`; [] for an env without tools).
+        The env's tools (JSON-schema specs, from its `tools()`; [] for an env without tools), and per setting
+        checked (`env.kwargs`, `env.eval_kwargs`) seed 0's first observation and its images (None: none).
 
     Raises:
         ConfigError: the env could not be made or reset (its traceback, when it raised, in `details`), or the
@@ -285,6 +366,7 @@ def check_envs(env_workers, config: AgenticConfig) -> list[dict]:
     """
     env = config.env
     tools: list[list[dict]] = []
+    first_observations: dict[str, tuple[str, object]] = {}
     for setting, kwargs, eval_mode in (("env.kwargs", env.kwargs, False), ("env.eval_kwargs", env.eval_kwargs, True)):
         if kwargs is None:
             continue
@@ -295,11 +377,12 @@ def check_envs(env_workers, config: AgenticConfig) -> list[dict]:
             error.details, error.details_label = reply.get("traceback", ""), "env traceback"
             raise error
         tools.append(reply.get("tools", []))
+        first_observations[setting] = (reply.get("observation", ""), reply.get("images"))
     if len(tools) == 2 and tools[0] != tools[1]:
         names = [[tool.get("function", tool).get("name") for tool in listed] for listed in tools]
         raise ConfigError(f"env.eval_kwargs gives the eval envs other tools ({names[1]}) than env.kwargs gives the "
                           f"training envs ({names[0]}); the model would be evaluated on other prompts")
-    return tools[0] if tools else []
+    return (tools[0] if tools else []), first_observations
 
 
 def warn(lines: list[str]) -> None:

@@ -42,6 +42,18 @@ class EpisodeSettings:
     step_timeout_s: float = 30.0
 
 
+def turns_that_fit(first_prompt: int, later_turn: int, settings: EpisodeSettings, max_new_tokens: int) -> int:
+    """How many turns of an episode surely fit the context when every turn takes all its `max_new_tokens`, as
+    `EnvGroups` checks a turn: its prompt (the first prompt and the turns before it, each `max_new_tokens` plus
+    `later_turn` tokens of markers and observation; step-wise, only the `history_turns` kept) plus
+    `max_new_tokens` within `settings.max_context_tokens`. 0: not even the first turn fits."""
+    for turn in range(settings.max_turns):
+        earlier = turn if settings.samples == "trajectory" else min(turn, settings.history_turns)
+        if first_prompt + earlier * (max_new_tokens + later_turn) + max_new_tokens > settings.max_context_tokens:
+            return turn
+    return settings.max_turns
+
+
 class SeedSource:
     """The training keys of an env run: group `i` plays the seed `derive_seed(seed, "env_group", i) % bound`
     (training seeds are drawn below the eval seeds, which start at `bound`)."""
@@ -164,7 +176,7 @@ class EnvGroups:
                                      f"{sampling.max_new_tokens} that is over the context limit of "
                                      f"{settings.max_context_tokens} tokens (rollout.max_context_tokens)")
                         return
-                    episode.status = SampleStatus.TRUNCATED
+                    episode.status, episode.context_full = SampleStatus.TRUNCATED, len(prompt)
                     break
                 if play.group.cut:
                     episode.status = SampleStatus.ABORTED

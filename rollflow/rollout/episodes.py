@@ -52,6 +52,8 @@ class Episode:
         status: finished (the env ended it), truncated (turn or context limit), failed (env error), aborted.
         info: the env's last info (success, ...); `error`: why it failed (one line), `error_details`: the
             env's traceback then, if it raised.
+        context_full: truncated at the context limit: the tokens of the prompt its next turn did not fit after
+            (0: it was not).
     """
 
     group: int
@@ -71,6 +73,7 @@ class Episode:
     env_seconds: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)  # COUNTED_INFO keys summed over the env's replies
     vision: Any = None  # the images of every observation so far, in order (`VisionInputs`; None: text only)
+    context_full: int = 0
 
     def count(self, info: dict[str, Any]) -> None:
         """Add an env reply's counters (`COUNTED_INFO`: tool calls, tool errors, time in tools, env retries)."""
@@ -123,7 +126,8 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
     Each carries what the agentic advantages and metrics read, in `metadata`: `episode` (group id, slot),
     `anchors` (the state of each turn), `spans` (trajectory: [start, end) of each turn's tokens in the
     response), `turn` (step: which turn it is), `success`, `seed`, `turns`, `invalid_actions`, `env_seconds`,
-    `prefix_reused_tokens` and `turn_prompt_tokens`; `step_rewards` holds every turn's reward and `reward` the
+    `prefix_reused_tokens`, `turn_prompt_tokens`, `first_prompt_tokens` and `context_full` (the prompt tokens
+    its next turn did not fit after, 0 if none); `step_rewards` holds every turn's reward and `reward` the
     episode return.
     """
     samples = []
@@ -135,6 +139,7 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
                 "invalid_actions": sum(turn.invalid for turn in episode.turns), "env_seconds": episode.env_seconds,
                 "prefix_reused_tokens": sum(turn.prefix_reused_tokens for turn in episode.turns),
                 "turn_prompt_tokens": sum(len(turn.prompt_ids) for turn in episode.turns),
+                "first_prompt_tokens": len(episode.prompt_ids), "context_full": episode.context_full,
                 "counters": dict(episode.counters)}
         if mode == "trajectory":
             samples.append(Sample(
@@ -207,6 +212,7 @@ def episode_metrics(samples: list[Sample], prefix: str, failed: list[Sample] | N
         f"{prefix}/turns": turns / count,
         f"{prefix}/invalid_action_frac": sum(e.metadata["invalid_actions"] for e in played) / max(turns, 1),
         f"{prefix}/truncated_frac": sum(e.status == SampleStatus.TRUNCATED for e in played) / count,
+        f"{prefix}/context_truncated_frac": sum(bool(e.metadata.get("context_full")) for e in played) / count,
         f"{prefix}/env_seconds_per_turn": sum(e.metadata["env_seconds"] for e in played) / max(turns, 1),
         f"{prefix}/prefix_reused_frac": (sum(e.metadata["prefix_reused_tokens"] for e in played)
                                          / max(sum(e.metadata["turn_prompt_tokens"] for e in played), 1)),
@@ -227,7 +233,8 @@ def counter_metrics(episodes: list[Sample], played: list[Sample], prefix: str) -
     if "tool_calls" in reported:
         calls = total("tool_calls", played)
         metrics[f"{prefix}/tool_calls_per_episode"] = calls / max(len(played), 1)
-        metrics[f"{prefix}/tool_error_frac"] = total("tool_errors", played) / max(calls, 1)
+        errors = total("tool_errors", played)  # a failed call an env did not count as a call is one still
+        metrics[f"{prefix}/tool_error_frac"] = errors / max(calls, errors, 1)
         metrics[f"{prefix}/tool_seconds_per_call"] = total("tool_seconds", played) / max(calls, 1)
     if "env_retries" in reported:
         metrics[f"{prefix}/env_retries"] = total("env_retries", episodes)
@@ -293,6 +300,54 @@ class EpisodeErrorWarnings:
                 if len(self.seen) == self.limit else ""
             lines.append(f"{where}: {count} of its episodes failed with: {error}{more}")
         return lines
+
+
+@dataclass(frozen=True)
+class TurnBudget:
+    """The token budget of an episode's turns, as the messages about it name it.
+
+    Attributes:
+        context: tokens a turn's prompt and its answer must fit (`rollout.max_context_tokens`, else the model's).
+        max_new_tokens: tokens a turn may generate (`rollout.max_new_tokens`).
+        max_turns: model turns an episode may take (`env.max_turns`).
+        prefix: tokens of the first prompt that are not the observation: the system prompt, the tools and the
+            chat template's markers.
+    """
+
+    context: int
+    max_new_tokens: int
+    max_turns: int
+    prefix: int
+
+
+class ContextLimitWarning:
+    """Warns on stderr, once a run, when episodes end truncated because their next turn would not fit the
+    context: that cuts an episode short silently (the answer after a long tool call, say), which
+    `rollout/truncated_frac` alone does not tell from the turn limit."""
+
+    def __init__(self, budget: TurnBudget):
+        self.budget, self.warned = budget, False
+
+    def lines(self, where: str, samples: list[Sample], prefix: str = "rollout") -> list[str]:
+        """The warning for the episodes of `where` ("step 3", "eval at step 0"), from their samples
+        (`episode_samples`); none when no episode hit the context limit, or after the first warning. `prefix`:
+        their metrics' (`rollout`, `eval`)."""
+        episodes = list({s.metadata["episode"]: s for s in samples if s.status != SampleStatus.FAILED}.values())
+        cut = [e for e in episodes if e.metadata.get("context_full")]
+        if self.warned or not cut:
+            return []
+        self.warned = True
+        budget, first = self.budget, cut[0].metadata
+        room = budget.context - budget.max_new_tokens
+        return [f"{where}: {len(cut)} of {len(episodes)} episodes ended truncated at the context limit, before their "
+                f"last turn or answer: the context holds {budget.context} tokens (rollout.max_context_tokens, "
+                f"default the model's), so with rollout.max_new_tokens = {budget.max_new_tokens} a turn's prompt "
+                f"must stay within {room} tokens; one episode's reached {first['context_full']} after "
+                f"{first['turns']} of env.max_turns = {budget.max_turns} turns (its first prompt: "
+                f"{first['first_prompt_tokens']} tokens, {budget.prefix} of them the system prompt, tools and chat "
+                "markers). Lower rollout.max_new_tokens or env.max_turns, shorten the system prompt or the "
+                "observations (tool results), or use a model with a longer context; "
+                f"{prefix}/context_truncated_frac counts these episodes"]
 
 
 def _error(sample: Sample) -> str:

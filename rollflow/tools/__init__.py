@@ -1,7 +1,7 @@
 """Tools an agent can call: the protocol and registry (`base`), the built-ins, and MCP servers' tools.
 
     from rollflow.tools import make_tools
-    tools = make_tools(["calculator", {"name": "retrieval", "corpus": "data/docs.jsonl"}])
+    tools = make_tools(["calculator", {"name": "retrieval", "corpus": "data/docs.jsonl"}, "my_tools:make_search"])
 
 Importing the package registers the built-ins (`calculator`, `python`, `retrieval`, `mcp`); the heavy
 libraries (`bm25s`, `mcp`) are imported only when their tool is made.
@@ -13,8 +13,9 @@ from rollflow.tools.base import (
     Tool,
     ToolError,
     check_arguments,
+    check_tools,
     close_shared_tools,
     make_tools,
 )
 
-__all__ = ["TOOLS", "Tool", "ToolError", "check_arguments", "close_shared_tools", "make_tools"]
+__all__ = ["TOOLS", "Tool", "ToolError", "check_arguments", "check_tools", "close_shared_tools", "make_tools"]

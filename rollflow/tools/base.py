@@ -8,7 +8,10 @@ A tool is something the model may call in the middle of an episode:
 
 `schema()` is the format `transformers`' `apply_chat_template(tools=[...])` and Qwen's chat template take.
 Tools are made from specs by `make_tools`: a name (`"calculator"`) or a mapping with a `name` and the
-tool's options (`{"name": "retrieval", "corpus": "data/docs.jsonl", "top_k": 3}`).
+tool's options (`{"name": "retrieval", "corpus": "data/docs.jsonl", "top_k": 3}`). A name with a colon is a
+tool of the user's own, `module:factory`: a class or function that takes the spec's options as keyword
+arguments and returns a `Tool` (or a list of them), found as env ids and reward functions are
+(`rollflow.registry.import_factory`). `check_tools` checks specs at config load without making anything.
 
 Tools are made once per episode, so a tool that holds a resource (an MCP connection, a BM25 index) keeps it
 in a process-wide cache keyed by its spec: making one is cheap, and its `close()` leaves the shared
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from rollflow.errors import ConfigError, RollflowError
-from rollflow.registry import Registry
+from rollflow.registry import Registry, UnknownNameError, import_factory
 
 
 class ToolError(RollflowError):
@@ -71,25 +74,27 @@ def make_tools(specs: list[str | dict[str, Any]]) -> list[Tool]:
     """Make the tools named by `specs`, in order.
 
     Args:
-        specs: each a tool name (`"calculator"`) or a mapping with `name` and the tool's options
-            (`{"name": "mcp", "command": ["python", "server.py"], "timeout_s": 10}`). A spec may make several
-            tools (an MCP server's).
+        specs: each a tool name (`"calculator"`, or `"my_tools:make_search"` for a tool of your own) or a
+            mapping with `name` and the tool's options (`{"name": "mcp", "command": ["python", "server.py"],
+            "timeout_s": 10}`). A spec may make several tools (an MCP server's).
 
     Returns:
         The tools.
 
     Raises:
         UnknownNameError: a name that is not registered (the message lists the valid ones).
-        ConfigError: a malformed spec, an unknown or invalid option, or two tools with one name.
+        ConfigError: a malformed spec, an unknown or invalid option, a dotted path that does not import, a
+            factory that made something that is not a tool, or two tools with one name.
     """
     tools: list[Tool] = []
     try:
         for spec in specs:
             name, options = _parse_spec(spec)
-            factory = TOOLS.get(name)
+            factory = tool_factory(name)
             _check_options(name, factory, options)
             made = factory(**options)
-            tools.extend(made if isinstance(made, list) else [made])
+            for tool in made if isinstance(made, list) else [made]:
+                tools.append(_checked_tool(name, tool))
         seen: set[str] = set()
         for tool in tools:
             if tool.name in seen:
@@ -102,6 +107,74 @@ def make_tools(specs: list[str | dict[str, Any]]) -> list[Tool]:
     return tools
 
 
+def check_tools(specs: Any) -> None:
+    """Check tool specs without making the tools, at config load: the spec's form, the name (a built-in, or a
+    dotted path that imports to a callable), the options (names, and what the tool's `check_options` checks:
+    an MCP server's command is found, a corpus exists). Nothing is started, connected or indexed; a built-in
+    without `check_options` is cheap to make, so it is made and closed. A factory of the user's own is not
+    called: what it makes is checked when it is made (`make_tools`).
+
+    Raises:
+        UnknownNameError, ConfigError: as `make_tools` would, in one line.
+    """
+    if not isinstance(specs, list) or not specs:
+        raise ConfigError(f"tools must be a non-empty list of tool specs (names or mappings with a 'name'), "
+                          f"got {specs!r}")
+    for spec in specs:
+        name, options = _parse_spec(spec)
+        factory = tool_factory(name)
+        _check_options(name, factory, options)
+        check = getattr(factory, "check_options", None)
+        if callable(check):
+            check(**options)
+        elif ":" not in name:
+            made = factory(**options)
+            for tool in made if isinstance(made, list) else [made]:
+                tool.close()
+        elif isinstance(factory, type):
+            missing = [method for method in ("schema", "call", "close") if not callable(getattr(factory, method, None))]
+            if missing:
+                raise ConfigError(f"tool {name!r} makes a {factory.__name__} without {', '.join(missing)}; "
+                                  f"{TOOL_CONTRACT}")
+
+
+def tool_factory(name: str) -> Callable[..., Tool | list[Tool]]:
+    """The factory of a tool spec's `name`: a built-in's (`TOOLS`), or the callable a dotted path
+    `module:factory` names.
+
+    Raises:
+        UnknownNameError: an unknown built-in name (the message lists the valid ones).
+        ConfigError: a dotted path that is malformed, does not import, or names no callable.
+    """
+    if ":" in name:
+        return import_factory(name, "tool")
+    if name not in TOOLS:
+        raise UnknownNameError(f"{TOOLS.unknown_message(name)}; or a tool of your own as 'module:factory'")
+    return TOOLS.get(name)
+
+
+TOOL_CONTRACT = ("a tool has a `name` (text), `schema()` (a function-format JSON schema with that name), "
+                 "`call(arguments)` and `close()` (docs/tools.md)")
+
+
+def _checked_tool(spec_name: str, tool: Any) -> Tool:
+    """`tool`, checked to be one (what a factory of the user's own made may not be); ConfigError otherwise."""
+    missing = [attribute for attribute in ("schema", "call", "close") if not callable(getattr(tool, attribute, None))]
+    if not isinstance(getattr(tool, "name", None), str) or not tool.name:
+        missing.insert(0, "name")
+    if missing:
+        raise ConfigError(f"tool {spec_name!r} made a {type(tool).__name__} without {', '.join(missing)}; "
+                          f"{TOOL_CONTRACT}")
+    schema = tool.schema()
+    function = schema.get("function") if isinstance(schema, dict) else None
+    if not (isinstance(function, dict) and schema.get("type") == "function" and function.get("name") == tool.name
+            and isinstance(function.get("parameters", {}), dict)):
+        raise ConfigError(f"tool {spec_name!r} made tool {tool.name!r} whose schema() is not "
+                          f"{{'type': 'function', 'function': {{'name': {tool.name!r}, 'description': ..., "
+                          f"'parameters': {{...}}}}}}; got {one_line(repr(schema), 120)}")
+    return tool
+
+
 def _parse_spec(spec: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, str):
         return spec, {}
@@ -112,7 +185,10 @@ def _parse_spec(spec: Any) -> tuple[str, dict[str, Any]]:
 
 def _check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
     """Unknown and missing options fail as one line naming the tool (not as a TypeError)."""
-    parameters = inspect.signature(factory).parameters
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read: it checks its own
+        return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     valid = [p for p in parameters if p != "self"]

@@ -25,6 +25,7 @@ from rollflow.tools.base import (
 )
 
 STOPWORDS = "en"
+CORPUS_EXTENSIONS = (".jsonl", ".txt")
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,7 @@ def corpus_index(path: str) -> CorpusIndex:
     try:
         stat = os.stat(real)
     except OSError:
-        where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
-        raise ConfigError(f"retrieval corpus {path!r} does not exist{where}") from None
+        raise _missing(path) from None
     key = (real, stat.st_mtime_ns, stat.st_size)
     with _indexes_lock:  # one build per corpus, even when many episodes start at once
         index = _indexes.get(key)
@@ -93,9 +93,7 @@ def read_corpus(path: str) -> list[Document]:
     Raises:
         ConfigError: an unknown extension, an unreadable file, a malformed line, or no documents.
     """
-    extension = os.path.splitext(path)[1].lower()
-    if extension not in (".jsonl", ".txt"):
-        raise ConfigError(f"retrieval corpus {path!r}: expected a .jsonl or .txt file")
+    extension = _extension(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -118,6 +116,18 @@ def read_corpus(path: str) -> list[Document]:
     if not documents:
         raise ConfigError(f"retrieval corpus {path!r} holds no documents")
     return documents
+
+
+def _extension(path: str) -> str:
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in CORPUS_EXTENSIONS:
+        raise ConfigError(f"retrieval corpus {path!r}: expected a .jsonl or .txt file")
+    return extension
+
+
+def _missing(path: str) -> ConfigError:
+    where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+    return ConfigError(f"retrieval corpus {path!r} does not exist{where}")
 
 
 def _build_index(path: str, documents: list[Document]) -> CorpusIndex:
@@ -150,10 +160,8 @@ class Retrieval:
     name = "retrieval"
 
     def __init__(self, corpus: str, top_k: int = 3, max_chars: int = 300):
-        if not isinstance(corpus, str) or not corpus:
-            raise ConfigError(f"tool 'retrieval': option 'corpus' must be a file path, got {corpus!r}")
-        self.top_k = positive_int(self.name, "top_k", top_k)
-        self.max_chars = positive_int(self.name, "max_chars", max_chars)
+        check_retrieval_options(corpus, top_k, max_chars)
+        self.top_k, self.max_chars = top_k, max_chars
         self.index = corpus_index(corpus)
 
     def schema(self) -> dict[str, Any]:
@@ -185,7 +193,22 @@ class Retrieval:
         """Nothing to release (the index is shared)."""
 
 
+def check_retrieval_options(corpus: str, top_k: int = 3, max_chars: int = 300) -> None:
+    """Check a `retrieval` spec's options without reading or indexing the corpus (`check_tools`, at config
+    load): a .jsonl or .txt file that exists, and positive numbers."""
+    if not isinstance(corpus, str) or not corpus:
+        raise ConfigError(f"tool 'retrieval': option 'corpus' must be a file path, got {corpus!r}")
+    positive_int("retrieval", "top_k", top_k)
+    positive_int("retrieval", "max_chars", max_chars)
+    _extension(corpus)
+    if not os.path.isfile(corpus):
+        raise _missing(corpus)
+
+
 @TOOLS.register("retrieval")
 def make_retrieval(corpus: str, top_k: int = 3, max_chars: int = 300) -> Retrieval:
     """The `retrieval` tool (options: see `Retrieval`)."""
     return Retrieval(corpus, top_k, max_chars)
+
+
+make_retrieval.check_options = check_retrieval_options  # what `check_tools` runs instead of indexing the corpus

@@ -62,6 +62,9 @@ _EPISODE_STATS = (
                                       "invalid."),
     ("truncated_frac", FRACTION, "Fraction of {what} cut short: by the env, at `env.max_turns` or at the "
                                  "context length."),
+    ("context_truncated_frac", FRACTION, "Fraction of {what} cut short at the context length (part of "
+                                         "`truncated_frac`): their next turn's prompt and `rollout.max_new_tokens` "
+                                         "did not fit `rollout.max_context_tokens` (default the model's context)."),
     ("env_seconds_per_turn", SECONDS, "Env time (reset and steps) per model turn of {what}."),
     ("prefix_reused_frac", FRACTION, "Share of the prompt tokens of the model turns of {what} that the engine's "
                                      "prefix cache already held (vllm; hf with `prefix_cache_tokens`)."),
@@ -249,8 +252,8 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
             Metric("val/dpo/rewards_rejected", NATS, "`eval/dpo/rewards_rejected` on the validation pairs."),
             Metric("val/dpo/reward_margin", NATS, "`eval/dpo/reward_margin` on the validation pairs."),
             Metric("val/dpo/reward_accuracy", FRACTION, "`eval/dpo/reward_accuracy` on the validation pairs."),
-            Metric("epoch", "epochs", "Passes over the training rows so far: step x `train.batch_size` / rows (how "
-                   "many times each row was trained on, on average)."),
+            Metric("epoch", "epochs", "Passes over the training rows so far, as `train.epochs` counts them: steps / "
+                   "full batches per pass (rows // `train.batch_size`; a last partial batch of a pass is dropped)."),
             Metric("best/step", "step", "The step of the best validation eval (`checkpoints/best/`)."),
             Metric("best/val/loss", NATS, "`val/loss` at that step, with `train.best_checkpoint_metric: val/loss`."),
             Metric("best/val/accuracy", FRACTION,

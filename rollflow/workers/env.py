@@ -159,8 +159,9 @@ class EnvWorker(PlacedWorker):
         or reset stops the run with one line instead of failing every episode.
 
         Returns:
-            {"tools": the env's tool specs (its `tools()`, JSON-schema dicts; [] when it has none)} when the env
-            was made and reset, else `reset`'s error record.
+            {"tools": the env's tool specs (its `tools()`, JSON-schema dicts; [] when it has none), "observation":
+            its first observation, "images": that observation's images (None: none)} when the env was made and
+            reset (the driver checks that the first turn fits the context), else `reset`'s error record.
         """
         reply = await self.reset("check", 0, eval_mode)
         if "error" in reply:
@@ -175,7 +176,7 @@ class EnvWorker(PlacedWorker):
         tools = outcome["value"]
         if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
             return {"error": f"env tools() returned {_short(tools)}, not a list of JSON-schema dicts"}
-        return {"tools": tools}
+        return {"tools": tools, "observation": reply["observation"], "images": reply["info"].get(IMAGES_KEY)}
 
     def close_slot(self, slot: str) -> None:
         """Drop the env of `slot` (its `close()` runs on its thread, not awaited)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,11 +24,14 @@ import pytest
 import uvicorn
 
 from rollflow.config.agentic import EnvConfig
+from rollflow.envs import remote
 from rollflow.envs.local_servers import free_port, start_env_servers, stop_env_servers, wait_healthy
 from rollflow.envs.make import check_env_id, env_urls, make_env
-from rollflow.envs.remote import RemoteEnv, RemoteEnvError, held_sessions
+from rollflow.envs.remote import BACKOFF_CAP_S, RemoteEnv, RemoteEnvError, held_sessions
+from rollflow.envs.serve_cli import _make_and_reset
 from rollflow.envs.service import create_app, json_safe
 from rollflow.errors import ConfigError
+from tests.envs import slow_env
 from tests.envs.slow_env import TOOLS
 
 SLOW = "tests.envs.slow_env:make"
@@ -313,6 +317,92 @@ def test_the_client_bounds_every_call():
         env.step("Left")
 
 
+class _DownFirst:
+    """A fake transport (`httpx.MockTransport`) whose server refuses the first `down` connections, then answers
+    a reset; it records, in order, each request (`"request"`) and each wait of the client (its seconds)."""
+
+    def __init__(self, down: int):
+        self.down, self.events = down, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.events.append("request")
+        if self.events.count("request") <= self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return httpx.Response(200, json={"session": "s1", "observation": "board", "info": {}, "live": 1})
+
+
+@pytest.fixture
+def down_first(monkeypatch):
+    """Install a `_DownFirst(down)` as the client's transport, its waits recorded instead of slept."""
+    def install(down: int) -> _DownFirst:
+        transport = _DownFirst(down)
+        monkeypatch.setattr(remote, "_client", httpx.Client(transport=httpx.MockTransport(transport)))
+        monkeypatch.setattr(remote, "_client_pid", os.getpid())
+        monkeypatch.setattr(remote, "_pause", transport.events.append)
+        return transport
+    return install
+
+
+def test_retries_back_off_doubling_up_to_the_request_limit(down_first):
+    transport = down_first(down=4)
+    env = RemoteEnv(["http://down-first.test:1/frozenlake"], timeout_s=3.0, retries=5, backoff_s=1.0)
+    observation, info = env.reset(0)
+    assert (observation, info["env_retries"]) == ("board", 4)
+    # a wait before every retry (the one server failed), doubling from backoff_s: 1, 2, 4 -> capped at timeout_s 3
+    assert transport.events == ["request", 1.0, "request", 2.0, "request", 3.0, "request", 3.0, "request"]
+    assert [env.backoff_wait(n) for n in range(6)] == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
+    slow = RemoteEnv(["http://down-first.test:1/frozenlake"], timeout_s=60.0, backoff_s=1.0)
+    assert [slow.backoff_wait(n) for n in range(6)] == [1.0, 2.0, 4.0, BACKOFF_CAP_S, BACKOFF_CAP_S, BACKOFF_CAP_S]
+    env.close()
+
+
+def test_a_server_down_for_good_costs_the_retries_and_their_bounded_waits(down_first):
+    transport = down_first(down=100)
+    env = RemoteEnv(["http://down-for-good.test:1/frozenlake"], timeout_s=1.5, retries=3, backoff_s=0.5)
+    with pytest.raises(RemoteEnvError, match=r"reset failed after 3 retries: connection refused$"):
+        env.reset(0)
+    waits = [event for event in transport.events if event != "request"]
+    assert transport.events.count("request") == 4 and waits == [0.5, 1.0, 1.5]
+    assert sum(waits) <= env.retries * env.timeout_s
+
+
+def test_a_retry_goes_at_once_to_a_server_that_has_not_failed(down_first):
+    transport = down_first(down=1)  # the first server tried refuses; the other answers
+    env = RemoteEnv(["http://first.test:1/frozenlake", "http://second.test:1/frozenlake"], backoff_s=1.0)
+    assert env.reset(0)[1]["env_retries"] == 1
+    assert transport.events == ["request", "request"]  # no wait: another server was left to try
+    env.close()
+
+
+def test_a_server_restarted_while_the_client_waits_is_reached_again(monkeypatch):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/frozenlake"
+    started: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def restart(seconds: float) -> None:  # the client's first wait: the server comes (back) up meanwhile
+        server = uvicorn.Server(uvicorn.Config(create_app("frozenlake"), host="127.0.0.1", port=port,
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        started.append((server, thread))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+
+    monkeypatch.setattr(remote, "_pause", restart)
+    env = RemoteEnv([url], timeout_s=5, retries=2)
+    try:
+        observation, info = env.reset(3)
+        assert observation == make_env("frozenlake").reset(3)[0] and info["env_retries"] == 1
+        assert len(started) == 1
+        env.close()
+    finally:
+        for server, thread in started:
+            server.should_exit = True
+            thread.join(10)
+
+
 # --- env ids and config -----------------------------------------------------------------------------------------
 
 
@@ -350,20 +440,44 @@ def test_serve_refuses_an_unknown_env_in_one_line():
     assert done.stdout == ""
 
 
-def test_serve_prints_its_url_and_stops_on_sigterm():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", "frozenlake", "--port",
-                                str(port), "--max-sessions", "3"], cwd=ROOT, stdout=subprocess.PIPE,
+def test_serve_on_port_0_prints_the_port_it_got_and_stops_on_sigterm():
+    process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", "frozenlake", "--port", "0",
+                                "--max-sessions", "3"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/frozenlake"
     try:
+        assert select.select([process.stdout], [], [], 60)[0], "the server printed nothing within 60 s"
+        first = process.stdout.readline()
+        assert first.startswith("serving frozenlake at http://127.0.0.1:"), first
+        url = first.split()[3]
+        port = int(url.split(":")[2].split("/")[0])
+        assert port != 0 and url == f"http://127.0.0.1:{port}/frozenlake"
         wait_healthy(url, process)
         assert post(url, "reset", seed=0).status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=20)
     assert process.returncode == 0, stderr
-    assert stdout == f"serving frozenlake at {url} (max 3 sessions)\n"
+    assert first + stdout == f"serving frozenlake at {url} (max 3 sessions)\n"
+
+
+@pytest.mark.parametrize("port", ["-1", "70000"])
+def test_serve_refuses_a_port_out_of_range_in_one_line(port):
+    done = subprocess.run([sys.executable, "-m", "rollflow.cli", "env", "serve", "frozenlake", "--port", port],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"rollflow: error: --port must be 0 to 65535 (0: any free port), got {port}\n"
+
+
+def test_serve_checks_the_first_reset_within_the_step_time_limit():
+    """Making the first env may take its imports' time; its reset gets `--step-timeout-s`, like every reset."""
+    slow_env.RESET_RELEASE.clear()
+    try:
+        with pytest.raises(ConfigError) as raised:
+            _make_and_reset(SLOW, {"hang_reset": True}, 120.0, 0.2)
+    finally:
+        slow_env.RESET_RELEASE.set()
+    assert str(raised.value) == (f"env {SLOW!r} with --env-kwargs {{'hang_reset': True}}: resetting one env "
+                                 "(seed 0) ran past --step-timeout-s 0.2 s")
 
 
 def test_an_image_observation_crosses_http_as_the_env_drew_it():

@@ -59,7 +59,7 @@ def test_a_malformed_call_is_a_penalized_turn_whose_observation_is_the_error(env
     observation, reward, terminated, truncated, info = env.step(action)
     assert observation.startswith(error) and info["tool_results"] == [observation]
     assert (reward, terminated, truncated, info["invalid_action"]) == (-0.1, False, False, True)
-    assert info["tool_errors"] == 1
+    assert info["tool_errors"] == info["tool_calls"] == 1  # an unreadable call is a (failed) call too
     assert env.step("10063")[1] == 1.0  # the episode goes on
 
 

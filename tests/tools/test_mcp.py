@@ -1,8 +1,10 @@
 """MCP servers' tools: listed and converted schemas, round trips over stdio and streamable HTTP, errors,
-time-outs, a shared connection per server, a dead connection made again, servers that cannot start."""
+time-outs, a shared connection per server, a dead connection made again, servers that cannot start; the
+command that runs, and a server's stderr and stdout garbage kept off the console and quoted in its errors."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -15,9 +17,10 @@ import pytest
 pytest.importorskip("mcp")
 
 from rollflow.errors import ConfigError  # noqa: E402
-from rollflow.tools import ToolError, close_shared_tools, make_tools  # noqa: E402
+from rollflow.tools import ToolError, check_tools, close_shared_tools, make_tools  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("mcp_echo_server.py"))
+NOISY = str(Path(__file__).with_name("mcp_noisy_server.py"))
 STDIO = {"name": "mcp", "command": [sys.executable, SERVER], "timeout_s": 0.5}
 ADD_SCHEMA = {
     "type": "function",
@@ -103,13 +106,72 @@ def test_a_tool_the_server_lacks_is_a_config_error():
 
 
 @pytest.mark.parametrize(("command", "message"), [
-    (["/nonexistent/mcp-server"], r"mcp server /nonexistent/mcp-server cannot start or connect: FileNotFoundError"),
+    (["/nonexistent/mcp-server"], r"tool 'mcp': the command '/nonexistent/mcp-server' is not an executable file"),
+    (["no-such-mcp-server", "--stdio"], r"tool 'mcp': the command 'no-such-mcp-server' is not found on PATH \(/"),
     ([sys.executable, "-c", "pass"], r"mcp server .* -c pass cannot start or connect: MCPError: Connection closed"),
 ])
 def test_a_server_that_cannot_start_is_a_config_error(command, message):
     with pytest.raises(ConfigError, match=message) as error:
         make_tools([{"name": "mcp", "command": command}])
     assert "\n" not in str(error.value)
+
+
+def test_a_bare_python_runs_this_interpreter_and_errors_name_the_path_that_ran():
+    [add] = make_tools([{"name": "mcp", "command": ["python", SERVER], "tools": ["add"]}])
+    assert add.connection.label == f"mcp server {sys.executable} {SERVER}"
+    assert add.call({"a": 1, "b": 2}) == "3"
+    with pytest.raises(ConfigError, match=rf"^mcp server {re.escape(sys.executable)} -c pass cannot start"):
+        make_tools([{"name": "mcp", "command": ["python3", "-c", "pass"]}])
+
+
+def test_check_tools_finds_the_command_without_starting_the_server(tmp_path):
+    started = tmp_path / "started"
+    check_tools([{"name": "mcp", "command": ["python", "-c", f"open({str(started)!r}, 'w')"]}])
+    with pytest.raises(ConfigError, match="the command 'no-such-mcp-server' is not found on PATH"):
+        check_tools([{"name": "mcp", "command": ["no-such-mcp-server"]}])
+    assert not started.exists()
+
+
+def test_garbage_on_stdout_is_one_line_that_quotes_it_not_the_sdk_s_tracebacks(caplog, capfd):
+    with pytest.raises(ConfigError) as error:
+        make_tools([{"name": "mcp", "command": [sys.executable, NOISY, "garbage"]}])
+    assert str(error.value).startswith(f"mcp server {sys.executable} {NOISY} garbage cannot start or connect: ")
+    assert ("; it wrote 50 line(s) to stdout that are not MCP messages (the first: 'garbage line 0: a print() that "
+            "should have gone to stderr'); a stdio server writes only MCP messages to stdout") in str(error.value)
+    assert [record for record in caplog.records if record.name.startswith("mcp")] == []  # once 50 tracebacks
+    assert capfd.readouterr().err == ""
+
+
+def test_a_server_that_prints_garbage_then_serves_works():
+    tools = by_name(make_tools([{"name": "mcp", "command": [sys.executable, NOISY, "garbage-serve"]}]))
+    assert tools["raises"].connection.output.stdout_garbage == 50
+
+
+def test_a_server_that_crashes_at_start_is_one_line_that_quotes_the_end_of_its_stderr(capfd):
+    with pytest.raises(ConfigError) as error:
+        make_tools([{"name": "mcp", "command": [sys.executable, NOISY, "crash"]}])
+    message = str(error.value)
+    assert "cannot start or connect: MCPError: Connection closed; its stderr ended: " in message
+    assert message.endswith("| RuntimeError: the tool's dependency is broken") and "\n" not in message
+    assert len(message) < 700
+    assert capfd.readouterr().err == ""  # once ~130 lines of the server's traceback
+
+
+def test_a_tool_that_crashes_the_server_fails_in_one_line_that_quotes_its_stderr(capfd):
+    tools = by_name(make_tools([{"name": "mcp", "command": [sys.executable, NOISY, "serve"]}]))
+    with pytest.raises(ToolError, match=r"^Error executing tool raises$"):  # its traceback stays in the server's log
+        tools["raises"].call({})
+    with pytest.raises(ToolError, match=r"connection lost: .*; its stderr ended: .*RuntimeError: the tool's "
+                                        r"dependency is broken$"):
+        tools["dies"].call({})
+    assert capfd.readouterr().err == ""
+
+
+def test_the_kept_stderr_is_bounded_whatever_the_server_writes():
+    flood = "import sys\nfor i in range(2000): print('x' * 5000, i, file=sys.stderr)\nprint('the end', file=sys.stderr)"
+    with pytest.raises(ConfigError, match=r"its stderr ended: x{117}\.\.\. \| x{117}\.\.\. \| the end$") as error:
+        make_tools([{"name": "mcp", "command": [sys.executable, "-c", flood]}])
+    assert len(str(error.value)) < 1000 and "\n" not in str(error.value)
 
 
 def test_a_server_that_never_answers_is_bounded_by_the_startup_timeout():

@@ -95,7 +95,8 @@ def test_a_constructor_that_refuses_its_kwargs_is_named_and_its_traceback_kept()
     assert reply["error"] == ("env constructor raised TypeError: make_broken() got an unexpected keyword "
                               "argument 'size'")
     assert "Traceback" in reply["traceback"] and "make_broken" in reply["traceback"]
-    assert asyncio.run(worker(mode="ok").check()) == {"tools": []}  # an env without tools()
+    # an env without tools(); its first observation, for the driver's check of the first turn against the context
+    assert asyncio.run(worker(mode="ok").check()) == {"tools": [], "observation": "start", "images": None}
     assert asyncio.run(worker(mode="reset_none").check())["error"].startswith("env reset returned an observation")
 
 
