@@ -140,7 +140,8 @@ class DomainConfig(Strict):
 IMAGE_KEY_DOC = ("The column holding a row's images, for a vision-language model (Qwen2-VL's family): a file path "
                  "(relative to the dataset file's directory, or the working directory), a `datasets` image, or a "
                  "list of them. The prompt places them where it says `<image>`, else before its text. A row "
-                 "without the column is text only; rows with images for a text-only model are a data error.")
+                 "without the column is text only; rows with images for a text-only model are a data error, and "
+                 "so is a key other than the default that no row of the run's datasets has.")
 
 class DataConfig(Strict):
     train: DatasetConfig | None = Field(

@@ -68,8 +68,8 @@ _EPISODE_STATS = (
     ("env_seconds_per_turn", SECONDS, "Env time (reset and steps) per model turn of {what}."),
     ("prefix_reused_frac", FRACTION, "Share of the prompt tokens of the model turns of {what} that the engine's "
                                      "prefix cache already held (vllm; hf with `prefix_cache_tokens`)."),
-    ("tool_calls_per_episode", COUNT, "Tool calls per episode of {what}, failed ones left out (tool-use envs: "
-                                      "`tool_use`, countdown)."),
+    ("tool_calls_per_episode", COUNT, "Tool calls per episode of {what}, failed episodes left out; a malformed "
+                                      "call counts (tool-use envs: `tool_use`, countdown)."),
     ("tool_error_frac", FRACTION, "Fraction of the tool calls of {what} that failed: malformed (unreadable, an "
                                   "unknown tool, arguments the schema refuses, past `max_calls`) or an error of "
                                   "the tool (a time-out, a program that raised)."),
