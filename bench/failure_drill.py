@@ -143,6 +143,7 @@ def dpo_pairs(rows: list[dict]) -> dict[str, str]:
 
 
 PAIR = {"prompt": "1+2=", "chosen": "3", "rejected": "4"}
+DPO_DATA = ["data.train={path: pairs.jsonl}", "data.eval={path: pairs.jsonl}"]  # the example's files are not here
 CASES = [
     agentic("env step raises", "env.id=user_envs:make", "env.kwargs={breaks: step}"),
     agentic("env reset raises", "env.id=user_envs:make", "env.kwargs={breaks: reset}"),
@@ -163,11 +164,11 @@ CASES = [
     agentic("env worker killed (kill -9)", "env.id=user_envs:make", "train.steps=500", during="kill_env_worker"),
     Case("env play --policy random on GEM", ["env", "play", "gem:game:Minesweeper-v0-easy", "--policy", "random",
                                              "--max-steps", "5"], harmless=True),
-    Case("DPO chosen == rejected", ["dpo", str(ROOT / "examples/dpo.yaml"), "data.train={path: pairs.jsonl}"],
+    Case("DPO chosen == rejected", ["dpo", str(ROOT / "examples/dpo.yaml"), *DPO_DATA],
          files=dpo_pairs([{**PAIR, "rejected": "3"}] * 4)),
-    Case("DPO empty chosen", ["dpo", str(ROOT / "examples/dpo.yaml"), "data.train={path: pairs.jsonl}"],
+    Case("DPO empty chosen", ["dpo", str(ROOT / "examples/dpo.yaml"), *DPO_DATA],
          files=dpo_pairs([{**PAIR, "chosen": ""}] * 4)),
-    Case("DPO empty rejected", ["dpo", str(ROOT / "examples/dpo.yaml"), "data.train={path: pairs.jsonl}"],
+    Case("DPO empty rejected", ["dpo", str(ROOT / "examples/dpo.yaml"), *DPO_DATA],
          files=dpo_pairs([{**PAIR, "rejected": ""}] * 4)),
     Case("SFT empty response", ["sft", "config.yaml", "data.train={path: rows.jsonl}", "train.steps=2"],
          files={"rows.jsonl": json.dumps({"prompt": "1+2=", "response": ""}) + "\n"}),
@@ -190,9 +191,9 @@ CASES = [
          files={"rows.jsonl": "".join(json.dumps({"prompt": f"{a}-{b}", "answer": str(a - b)}) + "\n"
                                       for a in range(40, 60) for b in range(10, 14))},
          timeout_s=180, harmless=True, expect="best checkpoint: step 0"),
-    Case("run directory made read-only mid-run", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
-                                                  "train.steps=200", "output.dir=rw", "output.save_every_steps=1"],
-         setup="bind_mount", during="remount_read_only"),
+    Case("run directory made unwritable mid-run", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
+                                                   "train.steps=200", "output.save_every_steps=1"],
+         during="make_run_dir_immutable"),
     Case("RL with a reward that never changes", ["train", str(ROOT / "examples/quickstart.yaml"), *RLVR,
                                                  "train.steps=4", "reward.functions=[{name: flat_reward:zero}]"],
          files={"flat_reward.py": "def zero(completion, **row):\n    return 0.0\n"}, timeout_s=180,
@@ -274,16 +275,7 @@ def small_disk(scratch: Path) -> str:
     return "" if done.returncode == 0 else f"cannot mount a tmpfs: {done.stderr.strip()}"
 
 
-def bind_mount(scratch: Path) -> str:
-    """`rw` bind-mounted on itself, so that an action can remount it read-only while the run writes there."""
-    (scratch / "rw").mkdir()
-    done = subprocess.run(["mount", "--bind", str(scratch / "rw"), str(scratch / "rw")], capture_output=True,
-                          text=True)
-    return "" if done.returncode == 0 else f"cannot bind-mount: {done.stderr.strip()}"
-
-
-SETUPS = {"read_only_dir": read_only_dir, "truncated_model": truncated_model, "small_disk": small_disk,
-          "bind_mount": bind_mount}
+SETUPS = {"read_only_dir": read_only_dir, "truncated_model": truncated_model, "small_disk": small_disk}
 
 
 def _descendants(root: int) -> list[int]:
@@ -320,15 +312,19 @@ def kill_env_worker(process: subprocess.Popen, scratch: Path) -> str:
     return "the env worker was never found"
 
 
-def remount_read_only(process: subprocess.Popen, scratch: Path) -> str:
-    """Once the run logged its first step, its output directory's mount turns read-only under it."""
-    metrics = scratch / "rw" / "drill" / "metrics.jsonl"
+def make_run_dir_immutable(process: subprocess.Popen, scratch: Path) -> str:
+    """Once the run logged its first step, nothing new can be created in its run directory or its checkpoints
+    (`chattr +i`, which holds for root too, unlike a chmod; a read-only remount is refused while the run holds
+    files open for writing). Files already there can still be appended to."""
+    run_dir = scratch / "runs" / "drill"
+    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            done = subprocess.run(["mount", "-o", "remount,bind,ro", str(scratch / "rw")], capture_output=True,
+            (run_dir / "checkpoints").mkdir(exist_ok=True)
+            done = subprocess.run(["chattr", "+i", str(run_dir), str(run_dir / "checkpoints")], capture_output=True,
                                   text=True)
-            return "" if done.returncode == 0 else f"cannot remount read-only: {done.stderr.strip()}"
+            return "" if done.returncode == 0 else f"cannot make the run directory immutable: {done.stderr.strip()}"
         time.sleep(0.2)
     return "the run never logged its first step"
 
@@ -437,7 +433,7 @@ def no_ray_before_config_error(process: subprocess.Popen, scratch: Path) -> str:
 
 
 # What runs while a case runs; a non-empty return is what it found wrong (the case's `leftover` note).
-ACTIONS = {"kill_env_worker": kill_env_worker, "remount_read_only": remount_read_only,
+ACTIONS = {"kill_env_worker": kill_env_worker, "make_run_dir_immutable": make_run_dir_immutable,
            "serve_and_stop": serve_and_stop, "sigterm_plan": sigterm_plan,
            "no_ray_before_config_error": no_ray_before_config_error}
 
@@ -481,7 +477,8 @@ def run(case: Case) -> dict:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         code = None
-    for mount in ("readonly", "small", "rw"):
+    subprocess.run(["chattr", "-R", "-i", str(scratch)], capture_output=True)  # what an action made immutable
+    for mount in ("readonly", "small"):
         subprocess.run(["umount", str(scratch / mount)], capture_output=True)
     shutil.rmtree(scratch, ignore_errors=True)
     outcome = classify(case, code, stderr, stdout)
