@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_starpo_on_frozenlake_survives_raising_and_hanging_env_steps(ray_session
     assert "eval/success" in rows[0] and "eval/success" in rows[-1] and "initial_eval/success" in final
     assert rows[-1]["eval/episodes_failed"] == 0  # eval envs have no faults
     # the failures are seen: a warning per new error on stderr, and the failed episodes in samples.jsonl
-    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("rollflow: warning: step")]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if re.match(r"rollflow: warning: step \d+: ", line)]
     assert warnings and all("of its episodes failed with: env step " in line for line in warnings), warnings
     logged = [json.loads(line) for line in (tmp_path / "faults" / "samples.jsonl").read_text().splitlines()]
     errors = {record["error"] for record in logged if record["status"] == "failed"}
