@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.cluster.runtime import pinned_threads
+from rollflow.errors import DiskFullError, RunDirUnwritableError
 from rollflow.pipelines.interrupts import StopSignals
 from rollflow.pipelines.run_directory import (
     PreparedRunDir,
@@ -177,7 +178,7 @@ def run_pipeline(step: PipelineStep, manage_ray: bool = True) -> dict[str, float
                 launch.running(worker_spans.take_from) as groups:
             final = run_with_workers(step, groups, stop, prepared)
     except KeyboardInterrupt:  # an interrupted run draws what it logged too (not where the disk refuses)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, DiskFullError, RunDirUnwritableError):  # the interrupt is what is said
             plot_curves(config.run_dir, step.plot_keys)
         raise
     # drawn once the workers stopped: drawing adds nothing to the run's peak memory

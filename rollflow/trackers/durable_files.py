@@ -97,10 +97,10 @@ def write_failure_as_error(path: Path | str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        full = write_failure_error(err, path)
-        if full is None:
+        failure = write_failure_error(err, path)
+        if failure is None:
             raise
-        raise full from err
+        raise failure from err
 
 
 def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
