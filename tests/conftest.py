@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -87,12 +89,58 @@ def vl_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """Start Ray once per test session (4 s); tests that need actors take this fixture."""
+    """Start Ray once per test session (4 s); tests that need actors take this fixture. The runs in it keep
+    their workers for the next run of the same shape (`keep_workers`): a worker process's start (~7-10 s of
+    imports) is paid once per shape, not once per run."""
+    from rollflow.cluster.pool import keep_workers
     from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
-    yield
+    with keep_workers():
+        yield
     stop_ray()
+
+
+@pytest.fixture
+def workers_not_kept(ray_session, monkeypatch):
+    """Within the test, runs kill their workers at the end as outside a test session (no `keep_workers`): for
+    the tests of that end."""
+    import rollflow.cluster.pool as pool
+
+    monkeypatch.setattr(pool, "_pool", None)
+
+
+@dataclass
+class CliResult:
+    """What `rollflow ...` did: like `subprocess.CompletedProcess` (returncode, stdout, stderr)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(ray_session, capsys, monkeypatch) -> Callable[..., CliResult]:
+    """`cli("train", "examples/quickstart.yaml", "train.steps=2", env={...})`: the command line's `main`, in this
+    process, in the session's Ray and with its kept workers (tests/README.md): what a `rollflow` subprocess does
+    past its start-up (~4 s of imports and its own Ray: tests/cluster and tests/test_cli_prestart.py test
+    those), with its exit code and its console output. `env` sets environment variables for the call."""
+    from rollflow.cli import main
+
+    def run(*argv: object, env: dict[str, str] | None = None) -> CliResult:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()  # what came before is not this command's
+        try:
+            code = main([str(item) for item in argv])
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        out, err = capsys.readouterr()
+        for name in env or {}:
+            monkeypatch.delenv(name, raising=False)
+        return CliResult(code, out, err)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -107,3 +155,46 @@ def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # a file may still be open
+
+
+# --- the tiers' budget (tests/README.md) ---------------------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--unmarked-slow-limit", type=float, default=None, metavar="SECONDS",
+        help="fail the session if a test not marked `slow` took longer than SECONDS (setup, call and teardown "
+             "together): the `not slow` tier stays fast. .ci/run sets 20; left out, nothing is checked "
+             "(a loaded machine is no reason for a local run to fail)")
+
+
+_unmarked_seconds: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:  # vLLM starts in ~50 s on CPU: the full tier's
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.perf_counter()
+    yield
+    if item.get_closest_marker("slow") is None:
+        _unmarked_seconds[item.nodeid] = time.perf_counter() - started
+
+
+def pytest_sessionfinish(session, exitstatus):
+    limit = session.config.getoption("--unmarked-slow-limit")
+    if limit is None:
+        return
+    over = sorted(((s, nodeid) for nodeid, s in _unmarked_seconds.items() if s > limit), reverse=True)
+    if over:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(over)} test(s) not marked slow took over {limit:g} s (mark them @pytest.mark.slow, or "
+                 "make them faster: tests/README.md):", *(f"  {s:6.1f} s  {nodeid}" for s, nodeid in over)]
+        if reporter is not None:
+            reporter.write_line("")
+            for line in lines:
+                reporter.write_line(line, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -13,12 +13,13 @@ CPUs, time-share the machine and pin their torch threads to their share.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 import ray
@@ -28,8 +29,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollflow.cluster import calls
 from rollflow.cluster.placement import PlacementPlan, WorkerPlacement
+from rollflow.cluster.pool import worker_pool
 from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError, RollflowError
+from rollflow.spans import take as take_spans
 from rollflow.spans import traced
 
 START_TIMEOUT_S = 1800.0  # a worker that has not built its model by then is stuck (big models load for minutes)
@@ -68,12 +71,16 @@ class WorkerGroup:
     """
 
     def __init__(self, role: str, handles: list, placements: list[WorkerPlacement],
-                 timeout_s: float = calls.DEFAULT_WATCHDOG_S, host: str | None = None):
+                 timeout_s: float = calls.DEFAULT_WATCHDOG_S, host: str | None = None,
+                 pool_keys: list[Hashable] | None = None):
         self.role = role
         self.handles = handles
         self.placements = placements
         self.timeout_s = timeout_s
         self.host = host  # the role whose workers serve this one too (a hybrid worker), or None
+        # each worker's key in the worker pool (`rollflow.cluster.pool`); None: its workers are never kept
+        self.pool_keys = pool_keys
+        self.rebuilt: dict[int, ray.ObjectRef] = {}  # worker index -> its rebuild's `start_error`, if adopted
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -124,7 +131,10 @@ class WorkerGroup:
             WorkerStartError: one line with the constructor's own error (not Ray's traceback; the worker's
                 traceback of a non-rollflow error in `details`), or a timeout.
         """
-        pending = {handle.start_error.remote(): handle for handle in self.handles}  # answered once constructed
+        # answered once constructed; an adopted worker's rebuild answers for it (a call without arguments could
+        # run before the rebuild, whose arguments may still be on their way)
+        pending = {self.rebuilt.get(index) or handle.start_error.remote(): handle
+                   for index, handle in enumerate(self.handles)}
         deadline = time.monotonic() + timeout_s
         try:
             while pending:
@@ -157,11 +167,21 @@ class WorkerGroup:
         return gathered
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Ask every worker to `close()` (engines and backends release what they hold), then kill them."""
-        try:
-            ray.get([handle.close.remote() for handle in self.handles], timeout=timeout_s)
+        """Ask every worker to `close()` (engines and backends release what they hold), then kill them; or,
+        when this process keeps workers (`rollflow.cluster.pool.keep_workers`) and every worker closed, park
+        them for the next run."""
+        pool = worker_pool()
+        parking = pool is not None and self.pool_keys is not None
+        try:  # a worker to be kept also lets go of what it built (its model, its engine): it waits emptied
+            ray.get([(handle.park_worker if parking else handle.close).remote() for handle in self.handles],
+                    timeout=timeout_s)
+            closed = True
         except (ray.exceptions.RayError, AttributeError):
-            pass  # a dead or stuck worker is killed below all the same
+            closed = False  # a dead or stuck worker is killed below all the same
+        if closed and parking:
+            for key, handle in zip(self.pool_keys, self.handles):
+                pool.park(key, handle)
+            return
         for handle in self.handles:
             ray.kill(handle)
 
@@ -184,9 +204,21 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
     # once per group, not per worker; each call of a worker method is a span of the run's timeline
     remote_class = ray.remote(keeping_start_error(traced(worker_cls,
                                                          lambda placement, *_: f"{role} {placement.index}")))
-    handles = [remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
-               for placement in placements]
-    return WorkerGroup(role, handles, placements, timeout_s)
+    pool = worker_pool()
+    # a placement group is the run's own (its actors end with it): only workers placed without one are kept
+    keys = ([(f"{worker_cls.__module__}:{worker_cls.__qualname__}", role, placement.index)
+             for placement in placements] if bundles is None else None)
+    handles, rebuilt = [], {}
+    for index, placement in enumerate(placements):
+        handle = pool.take(keys[index]) if pool is not None and keys is not None else None
+        if handle is None:
+            handle = remote_class.options(**_actor_options(bundles, placement)).remote(placement, *args)
+        else:  # a kept worker of the same shape: its constructor runs again, in its process
+            rebuilt[index] = handle.rebuild_worker.remote(placement, *args)
+        handles.append(handle)
+    group = WorkerGroup(role, handles, placements, timeout_s, pool_keys=keys)
+    group.rebuilt = rebuilt
+    return group
 
 
 def keeping_start_error(worker_cls: type) -> type:
@@ -196,6 +228,9 @@ def keeping_start_error(worker_cls: type) -> type:
     An exception out of an actor's constructor makes Ray print the worker's traceback on the driver's console
     (it forwards the worker's stderr), ahead of the one line the driver prints. A constructor that returns
     prints nothing; `WorkerGroup.wait_ready` kills the worker and raises its error as one line.
+
+    It also has what a worker kept between runs needs (`rollflow.cluster.pool`): `park_worker()` (close, then
+    drop what the constructor built) and `rebuild_worker(*args)` (the constructor again, in this process).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -208,15 +243,50 @@ def keeping_start_error(worker_cls: type) -> type:
             else:
                 self._start_error = (calls.one_line(err), traceback.format_exc())
 
+    def let_go(self) -> None:
+        """Drop everything the constructor built, once `close()` ran: a worker kept for a later run
+        (`rollflow.cluster.pool`) holds no model or engine while it waits."""
+        take_spans()  # recorded after the run took its timeline
+        self.__dict__.clear()
+        gc.collect()
+
+    def rebuild(self, *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+        """Construct again, in this process, as a new worker would be (a kept worker adopted by the next run:
+        `rollflow.cluster.pool`). Returns what `start_error()` would."""
+        self.__dict__.clear()
+        __init__(self, *args, **kwargs)
+        return self._start_error
+
     # a coroutine in an async actor (one with any coroutine method), as `rollflow.spans.traced`'s `pop_spans`
     if any(inspect.iscoroutinefunction(member) for _, member in inspect.getmembers(worker_cls)):
         async def start_error(self) -> tuple[str, str] | None:
             return self._start_error
+
+        async def rebuild_worker(self, *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+            return rebuild(self, *args, **kwargs)
+
+        async def park_worker(self) -> None:
+            """`close()`, then `let_go`."""
+            try:
+                close = self.close()
+                if inspect.isawaitable(close):  # an async actor's close may be either
+                    await close
+            finally:
+                let_go(self)
     else:
         def start_error(self) -> tuple[str, str] | None:
             return self._start_error
-    members = {"__init__": __init__, "start_error": start_error, "__module__": worker_cls.__module__,
-               "__doc__": worker_cls.__doc__}
+
+        def park_worker(self) -> None:
+            """`close()`, then `let_go`."""
+            try:
+                self.close()
+            finally:
+                let_go(self)
+
+        rebuild_worker = rebuild
+    members = {"__init__": __init__, "start_error": start_error, "rebuild_worker": rebuild_worker,
+               "park_worker": park_worker, "__module__": worker_cls.__module__, "__doc__": worker_cls.__doc__}
     return type(worker_cls.__name__, (worker_cls,), members)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from rollflow.cluster import prestart
 from rollflow.cluster.head_node import DriverLogMonitor, lean_head_node
 from rollflow.cluster.joining import join_ray
+from rollflow.cluster.pool import forget_workers
 from rollflow.cluster.ray_environment import (
     RAY_ENV,
     WORKER_SETUP_HOOK,
@@ -138,6 +139,7 @@ def stop_ray() -> None:
         _log_monitor = None
     if ray.is_initialized():
         ray.shutdown()
+    forget_workers()  # the workers a pool kept ended with Ray
     if _reaper is not None:
         stop_reaper(_reaper)
         _reaper = None

@@ -1,0 +1,108 @@
+"""Role workers kept running between the runs of one process, and adopted by the next run that needs the same
+worker (`keep_workers`).
+
+Starting a role worker costs its process's imports (torch, transformers: ~7-10 s of CPU on a small machine)
+before it builds anything; a run of a few steps on a tiny model costs less than that. A process that runs many
+short runs in one Ray session (a test session, a sweep from a notebook) can keep the workers a run is done
+with: at the end of a run each worker still alive is `close()`d as usual, then parked here instead of being
+killed, and the next run's worker of the same shape (same worker class, role and worker index) rebuilds itself
+in that process (`rebuild_worker`: its constructor again, on an emptied object) instead of a new process
+starting. What a constructor sets is set again; what the process imported stays imported.
+
+Only workers placed without a placement group are kept (the CPU default and simulated GPUs): a placement
+group is the run's own, and its actors go with it. At most `max_idle` workers wait at a time (each holds a
+process with torch imported, ~0.5 GiB); the one idle longest is killed to make room. Ray's end
+(`rollflow.cluster.ray_session.stop_ray`) forgets them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+DEFAULT_MAX_IDLE = 6
+
+_pool: WorkerPool | None = None
+
+
+class WorkerPool:
+    """Idle workers by key, the longest idle first; counts what it handed out.
+
+    Attributes:
+        adopted: how many workers a run took from here instead of starting one.
+        parked: how many workers a run left here.
+    """
+
+    def __init__(self, max_idle: int = DEFAULT_MAX_IDLE):
+        if max_idle < 1:
+            raise ValueError(f"max_idle must be at least 1, got {max_idle}")
+        self.max_idle = max_idle
+        self.idle: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # ticket -> (key, actor handle)
+        self._tickets = 0
+        self.adopted = 0
+        self.parked = 0
+
+    def take(self, key: Hashable) -> Any | None:
+        """An idle worker of `key` (no longer idle), or None."""
+        for ticket, (held_key, handle) in self.idle.items():
+            if held_key == key:
+                del self.idle[ticket]
+                self.adopted += 1
+                return handle
+        return None
+
+    def park(self, key: Hashable, handle: Any) -> None:
+        """Keep `handle` (a closed worker) for the next run that needs a worker of `key`; kill the longest idle
+        beyond `max_idle`."""
+        import ray
+
+        self._tickets += 1
+        self.idle[self._tickets] = (key, handle)
+        self.parked += 1
+        while len(self.idle) > self.max_idle:
+            _, (_, oldest) = self.idle.popitem(last=False)
+            ray.kill(oldest)
+
+    def clear(self, kill: bool = True) -> None:
+        """Kill every idle worker (`kill=False`: only forget them, Ray has ended)."""
+        idle, self.idle = list(self.idle.values()), OrderedDict()
+        if kill:
+            import ray
+
+            for _, handle in idle:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
+
+
+def worker_pool() -> WorkerPool | None:
+    """The pool runs of this process park their workers in, or None when they are killed at the end."""
+    return _pool
+
+
+@contextlib.contextmanager
+def keep_workers(max_idle: int = DEFAULT_MAX_IDLE) -> Iterator[WorkerPool]:
+    """Within the block, runs keep their workers for the next run of the same shape (module docstring); on the
+    way out the idle ones are killed. For many short runs in one Ray session (`manage_ray=False`):
+
+        with keep_workers():
+            for lr in (1e-4, 3e-4):
+                run_rlvr(load_config("examples/quickstart.yaml", [f"train.lr={lr}"]), manage_ray=False)
+    """
+    global _pool
+    if _pool is not None:  # nested: the outer block's pool
+        yield _pool
+        return
+    _pool = WorkerPool(max_idle)
+    try:
+        yield _pool
+    finally:
+        pool, _pool = _pool, None
+        pool.clear()
+
+
+def forget_workers() -> None:
+    """Drop the idle workers without killing them: Ray has ended, and they with it."""
+    if _pool is not None:
+        _pool.clear(kill=False)

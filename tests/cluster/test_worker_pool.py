@@ -1,0 +1,82 @@
+"""Kept workers (`rollflow.cluster.pool`): a run adopts the workers the previous run of the same shape left, and
+a run in adopted workers is the run it would have been in new ones, whatever ran in them before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from rollflow.cluster.pool import WorkerPool, keep_workers, worker_pool
+from rollflow.config import load_config
+from rollflow.pipelines.rlvr import run_rlvr
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+RUN = ["train.steps=2", "rollout.groups_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+       "train.train_micro_batch_size=8", "train.lr=1e-3", "data.eval.limit=8", "eval.every_steps=0",
+       "output.trackers=[jsonl]", "output.save_every_steps=0", "seed=5"]
+NOISY = ("time/", "memory/", "seconds", "per_second")
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not any(n in k for n in NOISY)} for row in rows]
+
+
+class _Handle:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def test_the_pool_hands_out_by_key_and_holds_at_most_max_idle(monkeypatch):
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda handle: killed.append(handle.name))
+    pool = WorkerPool(max_idle=2)
+    a, b, c = _Handle("a"), _Handle("b"), _Handle("c")
+    pool.park("train", a)
+    pool.park("infer", b)
+    assert pool.take("critic") is None
+    pool.park("train", c)  # the longest idle (a) makes room
+    assert killed == ["a"]
+    assert pool.take("train") is c and pool.take("train") is None
+    assert pool.take("infer") is b
+    assert (pool.adopted, pool.parked) == (2, 3)
+    with pytest.raises(ValueError, match="max_idle"):
+        WorkerPool(max_idle=0)
+
+
+def test_keep_workers_nests_and_kills_the_idle_on_the_way_out(monkeypatch):
+    import rollflow.cluster.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_pool", None)  # the test session's own (tests/conftest.py) aside
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda handle: killed.append(handle.name))
+    assert worker_pool() is None
+    with keep_workers(max_idle=3) as pool:
+        with keep_workers() as inner:
+            assert inner is pool
+        pool.park("train", _Handle("a"))
+    assert worker_pool() is None and killed == ["a"]
+
+
+@pytest.mark.slow
+def test_a_run_in_adopted_workers_is_the_run_new_workers_make(ray_session, tmp_path):
+    """Run A in new workers; run B (another algorithm and learning rate) in A's; run C, A's config, in the
+    workers B trained in: C logs A's metrics step by step."""
+    pool = worker_pool()
+    assert pool is not None, "the test session keeps its workers (tests/conftest.py ray_session)"
+    pool.clear()  # A starts new workers
+    run_rlvr(load_config(QUICKSTART, [*RUN, "name=a", f"output.dir={tmp_path}"]), manage_ray=False)
+    adopted = pool.adopted
+    run_rlvr(load_config(QUICKSTART, [*RUN, "name=b", f"output.dir={tmp_path}", "algorithm.advantage=rloo",
+                                      "train.lr=3e-3", "seed=9"]), manage_ray=False)
+    run_rlvr(load_config(QUICKSTART, [*RUN, "name=c", f"output.dir={tmp_path}"]), manage_ray=False)
+    assert pool.adopted - adopted == 2  # B and C each took the hybrid worker (actor_train serves actor_infer)
+    a, b, c = (_metrics(tmp_path / name) for name in "abc")
+    assert any(row.get("grad_norm", 0) > 0 for row in a)  # it trained: there is something to differ
+    assert a != b
+    for first, adopted_row in zip(a, c, strict=True):
+        assert first == adopted_row, {k: (first.get(k), adopted_row.get(k)) for k in first.keys() | adopted_row.keys()
+                                      if first.get(k) != adopted_row.get(k)}
