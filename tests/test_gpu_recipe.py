@@ -14,29 +14,40 @@ import yaml
 
 RECIPE = "examples/gpu/grpo_qwen2.5_0.5b_gsm8k.yaml"
 GPUS = set(range(8))
-# The real entry point (`python -m rollflow.cli`), with vLLM and `datasets` made unimportable first: a print
-# command that imported either (to build an engine, to read the hub dataset) fails instead of passing where
-# they happen to be installed.
-ENTRY_POINT = ("import runpy, sys\n"
+FLAGS = ("--print-plan", "--print-config")
+# The command line's `main`, with vLLM and `datasets` made unimportable first: a print command that imported
+# either (to build an engine, to read the hub dataset) fails instead of passing where they happen to be
+# installed. One process runs `rollflow train RECIPE FLAG` for each flag (its start, torch's import, is paid
+# once), each command's output after a line of its own.
+ENTRY_POINT = ("import sys\n"
                "for name in ('vllm', 'datasets', 'sglang'):\n"
                "    sys.modules[name] = None\n"
-               "runpy.run_module('rollflow.cli', run_name='__main__')\n")
+               "from rollflow.cli import main\n"
+               "for flag in sys.argv[2:]:\n"
+               "    print('---', flag, flush=True)\n"
+               "    if main(['train', sys.argv[1], flag]) != 0:\n"
+               "        sys.exit(f'rollflow train {flag} failed')\n")
 
 
-def _print(flag: str, hf_home: Path) -> str:
-    """stdout of `rollflow train RECIPE FLAG`: offline, no GPU visible, an empty Hugging Face cache."""
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory) -> dict[str, str]:
+    """stdout of `rollflow train RECIPE FLAG` for each of FLAGS: offline, no GPU visible, an empty Hugging
+    Face cache."""
+    hf_home = tmp_path_factory.mktemp("hf")
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", ENTRY_POINT, "train", RECIPE, flag], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", ENTRY_POINT, RECIPE, *FLAGS], capture_output=True,
                             text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
     written = sorted(path for path in hf_home.rglob("*") if path.is_file())  # no download, no cached lookup
-    assert not written, f"{flag} wrote to the Hugging Face cache: {written}"
-    return result.stdout
+    assert not written, f"{FLAGS} wrote to the Hugging Face cache: {written}"
+    outputs = result.stdout.split("--- ")[1:]
+    assert [output.split("\n", 1)[0] for output in outputs] == list(FLAGS), result.stdout
+    return {flag: output.split("\n", 1)[1] for flag, output in zip(FLAGS, outputs)}
 
 
-def test_print_plan_colocates_trainer_and_engines_on_gpus_0_to_7(tmp_path):
-    out = _print("--print-plan", tmp_path / "hf")
+def test_print_plan_colocates_trainer_and_engines_on_gpus_0_to_7(printed):
+    out = printed["--print-plan"]
     lines = out.splitlines()
     assert lines[0] == "cluster: 1 node(s) x 8 GPUs", out
     devices: dict[str, set[int]] = {}
@@ -55,8 +66,8 @@ def test_print_plan_colocates_trainer_and_engines_on_gpus_0_to_7(tmp_path):
     assert "disaggregated (may run concurrently): none" in out
 
 
-def test_print_config_is_the_vllm_fsdp2_gsm8k_run(tmp_path):
-    config = yaml.safe_load(_print("--print-config", tmp_path / "hf"))
+def test_print_config_is_the_vllm_fsdp2_gsm8k_run(printed):
+    config = yaml.safe_load(printed["--print-config"])
     roles, data, algorithm = config["roles"], config["data"], config["algorithm"]
     assert config["model"]["path"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert roles["actor_infer"]["engine"] == "vllm" and roles["actor_infer"]["hybrid"] is False

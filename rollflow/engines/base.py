@@ -8,12 +8,13 @@ training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from rollflow.data.vision import VisionInputs
 from rollflow.errors import EngineError
+
+if TYPE_CHECKING:  # an annotation only: a process that just passes these records need not import torch (~3 s)
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 from rollflow.algorithms import DIVERGENCES, check_hyperparams, distill_token_loss, restrict_to_topk
 from rollflow.registry import UnknownNameError
 
-ALL = ["adaptive_kl", "forward_kl", "js", "reverse_kl", "skewed_forward_kl", "skewed_reverse_kl"]
+ALL = DIVERGENCES.names()  # every registered divergence goes through the generic checks below
 
 
 def _logs(*probs):
@@ -18,7 +18,8 @@ def _logs(*probs):
 
 
 def test_registered_names():
-    assert DIVERGENCES.names() == ALL
+    assert {"adaptive_kl", "forward_kl", "js", "reverse_kl", "skewed_forward_kl", "skewed_reverse_kl"} <= \
+        set(ALL)
 
 
 # p = teacher (0.5, 0.5), q = student (0.25, 0.75).

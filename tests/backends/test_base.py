@@ -50,7 +50,7 @@ def test_base_module_imports_only_the_standard_library_and_torch():
 
 
 def test_backend_kwargs_are_the_backend_class_keywords():
-    assert BACKENDS.names() == ["fsdp2", "sim", "torch"]
+    assert {"fsdp2", "sim", "torch"} <= set(BACKENDS.names())
     assert backend_kwarg_names("torch") == ["trim_micro_batches"]
     assert backend_kwarg_names("sim") == ["simulation", "payload_bytes"]  # `simulation`: the worker's cluster.sim
     assert backend_kwarg_names("fsdp2") == ["mixed_precision", "reshard_after_forward", "trim_micro_batches"]

@@ -66,6 +66,7 @@ class SavingWorker:
         self.backend.save(path)
 
 
+@pytest.mark.slow  # a worker process that imports torch and transformers, builds a model (~10 s on 2 cores)
 def test_a_worker_filling_the_disk_reaches_the_driver_as_one_line(ray_session, random_model_dir, tmp_path):
     _full_trainer_state(tmp_path / "checkpoints" / "step_1" / "model")
     group = spawn_group("actor_train", SavingWorker, [WorkerPlacement("actor_train", 0, (), None, (), threads=1)],

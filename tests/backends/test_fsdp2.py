@@ -196,6 +196,10 @@ def _two_rank_job(rank: int, port: int, model_dir: str, out_dir: str, vl_dir: st
         backend.close()
 
 
+# the 2-rank job spawns 2 processes that import torch and meet in a gloo group (~30 s on 2 cores): slow
+two_rank_job = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def two_ranks(random_model_dir, tmp_path_factory):
     """Run `_two_rank_job` on 2 spawned processes; returns (rank 0 results, rank 1 results, out_dir)."""
@@ -250,6 +254,7 @@ def test_mixed_precision_spec_maps_dtype_names_and_rejects_typos():
         mixed_precision_policy({"param_dtype": "bf16"})
 
 
+@two_rank_job
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregation):
     """Loss, metrics and updated weights equal TorchBackend's after each of 4 steps on batches of 8, 7, 5 and 1
@@ -270,6 +275,7 @@ def test_two_ranks_train_like_one_process(two_ranks, random_model_dir, aggregati
     assert expected["grad_norm"] > 0 and _max_diff(before, single.named_weights()) > 100 * WEIGHT_TOLERANCE
 
 
+@two_rank_job
 def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_rows(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
@@ -286,6 +292,7 @@ def test_forward_logprobs_and_frozen_reference_match_and_every_rank_gets_all_row
     assert torch.equal(rank1["reference_logprobs"], rank0["reference_logprobs"])
 
 
+@two_rank_job
 def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     torch.manual_seed(0)
@@ -299,6 +306,7 @@ def test_critic_trains_like_one_process_and_round_trips(two_ranks, random_model_
     assert torch.equal(rank0["restored_values"], rank0["values"])
 
 
+@two_rank_job
 def test_critic_role_on_two_ranks_takes_the_same_value_loss_steps_as_one_process(two_ranks, random_model_dir):
     """`roles.critic.backend: fsdp2`: a value-head backend from `create_backend` matches TorchBackend's
     value-loss steps, metrics and weights, after each of the 8-, 7-, 5- and 1-row steps (uneven shards,
@@ -320,6 +328,7 @@ def test_critic_role_on_two_ranks_takes_the_same_value_loss_steps_as_one_process
     assert _max_diff(before, single.named_weights()) > 100 * WEIGHT_TOLERANCE
 
 
+@two_rank_job
 def test_frozen_two_rank_backend_reads_like_one_process_and_refuses_to_train(two_ranks, random_model_dir):
     """`roles.reference.backend: fsdp2`: no optimizer, no trainable weight, the initial weights, and the same
     logprobs as a frozen TorchBackend on every batch shape (an empty shard on rank 1 for the 1-row batch)."""
@@ -336,6 +345,7 @@ def test_frozen_two_rank_backend_reads_like_one_process_and_refuses_to_train(two
     assert rank1["reference_weights"] == {}
 
 
+@two_rank_job
 def test_bfloat16_compute_with_float32_reduction_trains_close_to_float32(two_ranks, random_model_dir):
     rank0, rank1, _ = two_ranks
     initial = TorchBackend(TrainerSettings(random_model_dir, trainable=False)).named_weights()
@@ -353,6 +363,7 @@ def test_bfloat16_compute_with_float32_reduction_trains_close_to_float32(two_ran
     assert LR / 10 < _max_diff(weights, initial) <= LR / 3 * (1 + 1e-4)
 
 
+@two_rank_job
 def test_save_load_then_steps_equal_uninterrupted_steps(two_ranks):
     rank0, rank1, _ = two_ranks
     (metrics, weights), (resumed_metrics, resumed_weights) = rank0["uninterrupted"], rank0["resumed"]
@@ -364,6 +375,7 @@ def test_save_load_then_steps_equal_uninterrupted_steps(two_ranks):
     assert rank1["resumed"][1] == {}
 
 
+@two_rank_job
 def test_checkpoint_is_a_hugging_face_model(two_ranks):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -379,6 +391,7 @@ def test_checkpoint_is_a_hugging_face_model(two_ranks):
     assert {f"trainer_state_rank{r}.pt" for r in range(WORLD)} <= {p.name for p in path.iterdir()}
 
 
+@two_rank_job
 def test_offloaded_backend_refuses_work_until_onloaded(two_ranks):
     rank0, rank1, _ = two_ranks
     assert "onload()" in rank0["offloaded_error"] and "onload()" in rank1["offloaded_error"]
@@ -441,6 +454,7 @@ def test_non_finite_steps_on_one_in_process_rank(random_model_dir, monkeypatch):
         stopping.close()
 
 
+@two_rank_job
 def test_a_vision_language_model_on_two_ranks_trains_like_one_process(two_ranks):
     out_dir = two_ranks[2]
     vl_dir = str(out_dir / "vl")

@@ -3,14 +3,21 @@ raises, one that is killed, one that sleeps past the watchdog."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
+import ray.cloudpickle
 
 from rollflow.cluster import calls
 from rollflow.cluster.groups import WorkerGroup
 from rollflow.errors import ConfigError, RollflowError, StalledError, WorkerDiedError, WorkerError
+
+# Actors of this module's classes get them by value: their processes then skip this module's imports (torch
+# among them, ~3 s of CPU on 2 cores), which importing the class from here would cost each of them.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class Worker:
@@ -26,7 +33,9 @@ class Worker:
     def fail_clearly(self):
         raise ConfigError("one clear line")
 
-    def sleep(self, seconds: float) -> float:
+    def sleep(self, seconds: float, started_file: str | None = None) -> float:
+        if started_file:  # tells the test that the call is running
+            Path(started_file).touch()
         time.sleep(seconds)
         return seconds
 
@@ -93,10 +102,13 @@ def test_the_first_failure_raises_without_waiting_for_slower_workers(workers):
         ray.kill(slow)
 
 
-def test_a_killed_worker_is_reported_dead_by_role_index_and_method(ray_session):
+def test_a_killed_worker_is_reported_dead_by_role_index_and_method(ray_session, tmp_path):
     victim = _one_off_worker()
-    running = victim.sleep.remote(60)
-    time.sleep(0.5)  # the call is running when the process goes
+    running = victim.sleep.remote(60, str(tmp_path / "started"))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():  # the call is running when the process goes
+        assert time.monotonic() < deadline, "the call never started"
+        time.sleep(0.01)
     started = time.monotonic()
     ray.kill(victim)
     with pytest.raises(WorkerDiedError) as raised:
@@ -115,7 +127,7 @@ def test_a_worker_that_never_returns_stalls_the_wait_after_the_watchdog(workers)
         with pytest.raises(StalledError) as raised:
             calls.get([workers[0].echo.remote(1), sleeper.sleep.remote(60)], "actor_train", "train",
                       indices=[0, 1], timeout_s=1)
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 30  # ~2 s: a hang guard (the sleeper returns after 60 s)
         assert str(raised.value) == "no progress for 1 s: actor_train worker 1 has not returned from train"
     finally:
         ray.kill(sleeper)

@@ -67,6 +67,7 @@ class _Worker(PlacedWorker):
         return "done"
 
 
+@pytest.mark.slow  # three worker processes, each importing torch (~10 s on 2 cores); the plans above stay fast
 def test_manager_moves_workers_and_guards_offloaded_use(ray_session):
     plan = _plan()
     groups = {}

@@ -50,6 +50,7 @@ def test_a_listening_port_and_auto_pass_the_probe():
     check_reachable("auto")  # no host and port: left to ray.init
 
 
+@pytest.mark.slow  # the command line's own process: its imports are what "within seconds" times
 def test_the_command_line_says_it_in_one_line_within_seconds(tmp_path):
     port = _closed_port()
     started = time.perf_counter()

@@ -57,6 +57,7 @@ stop_ray()
 """
 
 
+@pytest.mark.slow  # a driver subprocess that starts Ray: ~15 s on 2 cores
 def test_workers_output_still_reaches_the_drivers_console():
     """The log monitor's work runs as a thread of the driver: a worker's prints show up with Ray's prefix."""
     done = subprocess.run([sys.executable, "-c", PRINTING_DRIVER], capture_output=True, text=True, timeout=120)

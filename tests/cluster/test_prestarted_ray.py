@@ -14,6 +14,9 @@ import pytest
 
 from rollflow.cluster.reaper import _start_time, session_processes
 
+# every test runs a driver subprocess that starts (or is refused) a Ray of its own: 15-40 s each on 2 cores
+pytestmark = pytest.mark.slow
+
 CONNECT = """
 import os, sys, time
 import ray

@@ -4,14 +4,20 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 import ray
+import ray.cloudpickle
 
 from rollflow.cluster.groups import WorkerStartError, spawn_group
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.errors import ModelLoadError
+
+# Actors of this module's classes get them by value: their processes then skip this module's imports (torch
+# among them, ~3 s of CPU on 2 cores), which importing the class from here would cost each of them.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 PLACEMENTS = [WorkerPlacement("trainer", index, (), None, (), threads=1) for index in range(2)]
 

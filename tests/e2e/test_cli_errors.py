@@ -1,4 +1,6 @@
-"""Bad input gives one clear line on stderr and exit status 2, never a traceback."""
+"""Bad input gives one clear line on stderr and exit status 2, never a traceback. The command line's `main` runs
+in this process: an input the config loader refuses fails before Ray; one the driver's checks refuse fails once
+the run has Ray (its workers starting meanwhile), which the session's is (the `cli` fixture)."""
 
 import json
 import subprocess
@@ -15,9 +17,20 @@ def _error_of(capsys, argv) -> str:
     code = main(argv)
     captured = capsys.readouterr()
     assert code == EXIT_USER_ERROR, captured
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    assert "Traceback" not in captured.err
+    return _one_line(captured.err)
+
+
+def _run_error_of(cli, argv) -> str:
+    """The error line of a command the driver refuses after Ray is up (in the session's Ray)."""
+    result = cli(*argv)
+    assert result.returncode == EXIT_USER_ERROR, result
+    return _one_line(result.stderr)
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
     return lines[0]
 
 
@@ -34,15 +47,15 @@ def test_wrong_type(capsys):
     assert "rollout.groups_per_step" in _error_of(capsys, ["train", QUICKSTART, "rollout.groups_per_step=many"])
 
 
-def test_missing_model_path(capsys, tmp_path):
-    line = _error_of(capsys, ["train", QUICKSTART, f"model.path={tmp_path}/no_model", f"output.dir={tmp_path}"])
+def test_missing_model_path(cli, tmp_path):
+    line = _run_error_of(cli, ["train", QUICKSTART, f"model.path={tmp_path}/no_model", f"output.dir={tmp_path}"])
     assert "does not exist" in line
 
 
-def test_dataset_without_prompt_column(capsys, tmp_path):
+def test_dataset_without_prompt_column(cli, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
-    line = _error_of(capsys, ["train", QUICKSTART, f"data.train={{path: {data}}}", f"output.dir={tmp_path}"])
+    line = _run_error_of(cli, ["train", QUICKSTART, f"data.train={{path: {data}}}", f"output.dir={tmp_path}"])
     assert "no 'prompt' column" in line
 
 

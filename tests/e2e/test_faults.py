@@ -1,25 +1,30 @@
 """Every failure ends the run with one line, in bounded time, and leaves the last checkpoint usable: weights
 that training made non-finite, an engine whose decoding fails, a worker killed mid-run, a reward that fails on
-every row. A reward that hangs on some rows costs those samples `reward.timeout_s`, never the run."""
+every row. A reward that hangs on some rows costs those samples `reward.timeout_s`, never the run.
+
+Every run is in this process, in the session's Ray (`ray_session`, or the command line's `main` through the
+`cli` fixture), with its kept workers."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 
+from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import load_config
 from rollflow.errors import EngineError, NonFiniteError, RollflowError, StepFailedError
 from rollflow.models import resolve_model_path
@@ -103,7 +108,7 @@ def test_an_engine_whose_decoding_fails_ends_the_run_in_one_line(ray_session, tm
     assert message == "hf engine: decoding failed: the model's logits are not finite (non-finite weights?)"
 
 
-# ---- a worker killed mid-run, through the real CLI ------------------------------------------------------
+# ---- a worker killed mid-run, through the command line ------------------------------------------------
 
 CLI_RUN = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_batch_size=16",
            "data.eval.limit=8", "eval.every_steps=0", "output.trackers=[jsonl]", "checks.logprob_parity_samples=0",
@@ -111,72 +116,68 @@ CLI_RUN = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_mic
 EXITS_WITHIN_S = 30  # after the kill
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollflow.cli", "train", "examples/quickstart.yaml", *args]
+@pytest.fixture
+def started_groups(monkeypatch) -> list[WorkerGroups]:
+    """The worker groups of each run this test starts in this process, once they are up (a spy on
+    `start_roles`): which process serves a role of the run in progress, among the session's kept workers."""
+    from rollflow.workers import roles
+
+    started, start_roles = [], roles.start_roles
+
+    def spy(*args, **kwargs) -> WorkerGroups:
+        groups = start_roles(*args, **kwargs)
+        started.append(groups)
+        return groups
+
+    monkeypatch.setattr(roles, "start_roles", spy)
+    return started
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process under `root` (Ray's raylet and its workers are children of the driver's session)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+@contextlib.contextmanager
+def killing_worker(started_groups: list[WorkerGroups], role: str, ready: Callable[[], bool],
+                   timeout_s: float = 300) -> Iterator[dict[str, float | str]]:
+    """Around a run in this process: a thread SIGKILLs the process of `role`'s worker 0 of the run's groups
+    once `ready()` holds, and records when (`killed_at`, `time.monotonic()`). If that has not happened within
+    `timeout_s` (or the block ended first), `error` says so; every worker of the run is killed then, so that
+    a run meant to be cut short ends instead of running its hundreds of steps."""
+    outcome: dict[str, float | str] = {}
+    block_ended = threading.Event()
 
+    def kill() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not block_ended.is_set():
+            if started_groups and ready():
+                handle = started_groups[-1][role].handles[0]
+                os.kill(ray.get(handle.__ray_call__.remote(lambda worker: os.getpid()), timeout=60), signal.SIGKILL)
+                outcome["killed_at"] = time.monotonic()
+                return
+            time.sleep(0.2)
+        outcome["error"] = f"the run did not get to the kill of its {role} worker within {timeout_s} s"
+        for groups in started_groups:
+            for handle in (handle for group in groups.own() for handle in group.handles):
+                ray.kill(handle)
 
-def _find_worker(root: int, actor_class: str) -> int | None:
-    """The pid of the `actor_class` actor's process under `root` (Ray titles it `ray::RolloutWorker...`)."""
-    for pid in _descendants(root):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith(f"ray::{actor_class}"):
-            return pid
-    return None
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"{what} did not happen within {timeout_s} s")
-
-
-def test_a_killed_engine_worker_ends_the_run_in_one_line_and_the_checkpoint_resumes(tmp_path):
-    run_dir = tmp_path / "killed"
-    process = subprocess.Popen(_cli(*CLI_RUN, "train.steps=200", f"output.dir={tmp_path}"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    thread = threading.Thread(target=kill, name="worker-killer", daemon=True)
+    thread.start()
     try:
-        _wait_for(lambda: (run_dir / "checkpoints" / "step_1" / "driver_state.json").exists()
-                  or process.poll() is not None, 300, "the first checkpoint")
-        assert process.poll() is None, process.communicate()
-        worker = _wait_for(lambda: _find_worker(process.pid, "RolloutWorker"), 30, "finding the engine worker")
-        os.kill(worker, signal.SIGKILL)
-        killed = time.monotonic()
-        stdout, stderr = process.communicate(timeout=EXITS_WITHIN_S + 30)
-        exited_after = time.monotonic() - killed
+        yield outcome
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode not in (0, None), stdout[-2000:] + stderr[-2000:]
+        block_ended.set()
+        thread.join(timeout=120)
+
+
+def test_a_killed_engine_worker_ends_the_run_in_one_line_and_the_checkpoint_resumes(tmp_path, cli, started_groups):
+    run_dir = tmp_path / "killed"
+    with killing_worker(started_groups, "actor_infer",
+                        lambda: (run_dir / "checkpoints" / "step_1" / "driver_state.json").exists()) as kill:
+        result = cli("train", "examples/quickstart.yaml", *CLI_RUN, "train.steps=200", f"output.dir={tmp_path}")
+        returned_at = time.monotonic()
+    assert "killed_at" in kill, f"{kill.get('error')}: {result}"
+    assert result.returncode not in (0, None), result.stdout[-2000:] + result.stderr[-2000:]
+    exited_after = returned_at - kill["killed_at"]
     assert exited_after < EXITS_WITHIN_S, f"exited {exited_after:.0f} s after the kill"
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert lines[0].startswith("rollflow: error: actor_infer worker 0 died"), lines[0]
 
     # the newest complete checkpoint resumes: one more step from it finishes
@@ -185,8 +186,8 @@ def test_a_killed_engine_worker_ends_the_run_in_one_line_and_the_checkpoint_resu
     assert steps and steps[0] == 1
     last = steps[-1]
     assert json.loads((run_dir / "checkpoints" / f"step_{last}" / "driver_state.json").read_text())["step"] == last
-    resumed = subprocess.run(_cli(*CLI_RUN, f"train.steps={last + 1}", f"output.dir={tmp_path}", "resume=true"),
-                             capture_output=True, text=True, timeout=600)
+    resumed = cli("train", "examples/quickstart.yaml", *CLI_RUN, f"train.steps={last + 1}", f"output.dir={tmp_path}",
+                  "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert (run_dir / "checkpoints" / f"step_{last + 1}" / "driver_state.json").exists()
@@ -226,12 +227,12 @@ def test_a_reward_that_fails_on_every_row_stops_the_run_with_its_reason(ray_sess
 
 
 def test_a_reward_that_hangs_on_some_rows_fails_only_those_samples(ray_session, tmp_path, rewards_module):
-    config = load_config(None, [*SMALL, "train.steps=2", "reward.functions=[{name: 'user_rewards:hangs_on_odd_sums'}]",
+    config = load_config(None, [*SMALL, "train.steps=1", "reward.functions=[{name: 'user_rewards:hangs_on_odd_sums'}]",
                                 "reward.timeout_s=1", "output.samples_logged_per_step=16", "name=hangs",
                                 f"output.dir={tmp_path}"])
     assert _run_until_it_fails(config) is None  # each hung call costs 1 s on one of 4 threads, not forever
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [0, 1]
     samples = [json.loads(line) for line in (config.run_dir / "samples.jsonl").read_text().splitlines()]
     failed = [s for s in samples if s["status"] == "failed"]
     assert failed and all("timed out after 1 s (reward.timeout_s)" in s["error"] for s in failed)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -43,25 +44,53 @@ def _wait_for_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
     pytest.fail(f"step {step} never logged")
 
 
-def _ray_left(driver_pid: int) -> dict[int, str]:
-    """Processes of the Ray session the driver started (Ray names its session dir after the driver's pid)."""
+def _ray_sessions(driver_pid: int) -> set[str]:
+    """The session directories of the Ray processes running under the driver `driver_pid` now: a Ray that the
+    command line prestarted is named after the pid of the process that started its head, a child of the
+    driver, so only the driver's process tree tells it (while the driver runs)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry.name))
+    sessions, stack = set(), [driver_pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            stack.append(child)
+            try:
+                arguments = (Path("/proc") / str(child) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            sessions.update(argument.split("=", 1)[1] for argument in arguments
+                            if argument.startswith(("--session-dir=", "--session_dir=")))
+    return sessions
+
+
+def _ray_left(driver_pid: int, sessions: Iterable[str] = ()) -> dict[int, str]:
+    """Processes of the Ray session the driver started: a session dir named after the driver's pid (Ray's name
+    for the one a driver starts itself), and `sessions` (`_ray_sessions`: a prestarted one)."""
     left = {}
-    for session in glob.glob(f"/tmp/ray/session_*_{driver_pid}"):
+    for session in {*glob.glob(f"/tmp/ray/session_*_{driver_pid}"), *sessions}:
         left.update(session_processes(session))
     return left
 
 
-def _assert_no_ray_left(driver_pid: int, within_s: float = 15) -> None:
+def _assert_no_ray_left(driver_pid: int, within_s: float = 15, sessions: Iterable[str] = ()) -> None:
     deadline = time.monotonic() + within_s
-    while _ray_left(driver_pid) and time.monotonic() < deadline:
+    while _ray_left(driver_pid, sessions) and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert not _ray_left(driver_pid)
+    assert not _ray_left(driver_pid, sessions)
 
 
 def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     driver = _start(tmp_path, "train.steps=20")
-    _wait_for_step(run_dir, 2)
+    _wait_for_step(run_dir, 1)
+    sessions = _ray_sessions(driver.pid)
+    assert sessions, "no Ray process under the driver"  # the command line's prestarted Ray
     driver.send_signal(signal.SIGINT)
     out, err = driver.communicate(timeout=120)
     assert driver.returncode == 130, out[-2000:] + err[-3000:]
@@ -69,10 +98,11 @@ def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path):
     last = _steps(run_dir / "metrics.jsonl")[-1]
     assert f"saving step {last}" in out
     assert json.loads((run_dir / "checkpoints" / f"step_{last}" / "driver_state.json").read_text())["step"] == last
-    _assert_no_ray_left(driver.pid)
+    _assert_no_ray_left(driver.pid, sessions=sessions)
 
     resumed = _start(tmp_path, f"train.steps={last + 1}", "resume=true")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out[-2000:] + err[-3000:]
     assert _steps(run_dir / "metrics.jsonl") == list(range(last + 2))  # 0 (initial eval) .. last + 1, once each
+    assert glob.glob(f"/tmp/ray/session_*_{resumed.pid}")  # a resume starts its own Ray (no prestart), named so
     _assert_no_ray_left(resumed.pid)

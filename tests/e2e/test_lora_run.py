@@ -1,11 +1,11 @@
-"""The real CLI with LoRA: the tiny model learns through adapters, and the checkpoint loads with PEFT alone."""
+"""The command line with LoRA: the tiny model learns through adapters, and the checkpoint loads with PEFT alone.
+The run is the command line's `main` in this process (the `cli` fixture); that a `rollflow train` process
+starts its own Ray ahead and its trainer takes over the warm worker is checked on the quickstart's run
+(tests/e2e/test_train_runs.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,31 +16,21 @@ from rollflow.models import resolve_model_path
 pytestmark = pytest.mark.slow
 
 
-def _train(*overrides: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "train", "examples/lora.yaml", *overrides],
-                            capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
 def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(input_ids=input_ids).logits  # [B, L, V]
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_lora_run_learns_and_its_checkpoint_loads_with_peft(tmp_path):
+def test_lora_run_learns_and_its_checkpoint_loads_with_peft(tmp_path, cli):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     # a KL term makes the trainer ask actor_train for reference logprobs: its base model, adapters off
-    _train("train.steps=10", "train.lr_schedule=constant", "eval.every_steps=10", "data.eval.limit=200",
-           "algorithm.kl_loss_coef=0.01", "output.trackers=[jsonl]", "name=lora", f"output.dir={tmp_path}")
-    # as a user runs it: the command line's own Ray, its warm worker taken over by the trainer
-    events = json.loads((tmp_path / "lora" / "timeline.json").read_text())["traceEvents"]
-    lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    (ray_start,) = [e for e in events if e["name"] == "start ray"]
-    assert ray_start["args"] == {"how": "prestarted"}
-    assert [lanes[e["pid"]] for e in events if e["name"] == "warm up"] == ["actor_train 0"]
+    result = cli("train", "examples/lora.yaml", "train.steps=10", "train.lr_schedule=constant",
+                 "eval.every_steps=10", "data.eval.limit=200", "algorithm.kl_loss_coef=0.01",
+                 "output.trackers=[jsonl]", "name=lora", f"output.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     initial, final = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
     assert final >= initial + 0.10, (initial, final)

@@ -168,7 +168,7 @@ def test_dpo_learns_the_preferences_and_resumes(tmp_path, ray_session):
     # same pairs does on this model
     dpo = ["pipeline=dpo", "model.path=tiny", f"data.train.path={train}", f"data.eval.path={held_out}",
            "train.batch_size=16", "train.train_micro_batch_size=16", "train.lr=5e-5", "dpo.beta=2.0",
-           "train.steps=20", "eval.every_steps=0", "output.save_every_steps=10"]
+           "train.steps=20", "eval.every_steps=0", "output.save_every_steps=18"]  # checkpoints 18 and 20
     final = _run(tmp_path, "dpo", *dpo, "eval.greedy_accuracy=true", "eval.max_new_tokens=4")
     assert final["initial_eval/dpo/reward_accuracy"] == 0.0  # policy == reference: every margin is 0
     assert final["eval/dpo/reward_accuracy"] > 0.6, final
@@ -177,7 +177,7 @@ def test_dpo_learns_the_preferences_and_resumes(tmp_path, ray_session):
     rows = _metrics(tmp_path / "dpo")
     assert all(math.isfinite(row["dpo/loss"]) and 0 <= row["dpo/reward_accuracy"] <= 1 for row in rows[1:])
 
-    # resume from step 10 (without the greedy eval: no engine) and redo steps 11-20 exactly
+    # resume from step 18 (without the greedy eval: no engine) and redo steps 19-20 exactly
     straight = _weights(tmp_path / "dpo", 20)
     shutil.rmtree(tmp_path / "dpo" / "checkpoints" / "step_20")
     _run(tmp_path, "dpo", *dpo, "resume=true")

@@ -1,10 +1,14 @@
-"""The real CLI, end to end through Ray, on the bundled tiny model and on a user model + dataset + reward."""
+"""The real CLI, end to end through Ray, on the bundled tiny model and on a user model + dataset + reward.
+
+The quickstart's first run is a `rollflow train` process of its own, as a user starts it (the entry point, its
+prestarted Ray and warm worker); every other run is the command line's `main` in this process (the `cli`
+fixture: the session's Ray and kept workers, no start-up of its own).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,11 +27,17 @@ FAST = ["rollout.groups_per_step=4", "rollout.group_size=4", "train.train_micro_
         "data.eval.limit=16", "eval.every_steps=2", "output.trackers=[jsonl,tensorboard]"]
 
 
-def _train(config: str, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "train", config, *overrides],
-        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
-    )
+def _train_process(config: str, *overrides: str) -> subprocess.CompletedProcess:
+    """`rollflow train` as a process of its own."""
+    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "train", config, *overrides],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _train(cli, config: str, *overrides: str):
+    """`rollflow train` in this process (the `cli` fixture)."""
+    result = cli("train", config, *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -42,9 +52,9 @@ def _changed_tensors(before_dir: str | Path, after_dir: Path) -> int:
     return sum(not torch.equal(before[name], after[name]) for name in before if name in after)
 
 
-def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
+def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path, cli):
     run_dir = tmp_path / "quick"
-    _train("examples/quickstart.yaml", *FAST, "train.steps=2", "name=quick", f"output.dir={tmp_path}")
+    _train_process("examples/quickstart.yaml", *FAST, "train.steps=2", "name=quick", f"output.dir={tmp_path}")
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "curves.png", "tensorboard"):
         assert (run_dir / name).exists(), name
     rows = _metrics(run_dir)
@@ -63,10 +73,10 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert AutoTokenizer.from_pretrained(model_dir).chat_template
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "reward", "answer"} <= set(samples[0])
-    _check_timeline(run_dir)
+    _check_timeline(run_dir, how="prestarted")
 
     # Resume: continues at step 3 from the step-2 checkpoint (model, optimizer, data position).
-    result = _train("examples/quickstart.yaml", *FAST, "train.steps=4", "name=quick", f"output.dir={tmp_path}",
+    result = _train(cli, "examples/quickstart.yaml", *FAST, "train.steps=4", "name=quick", f"output.dir={tmp_path}",
                     "resume=true")
     assert "resumed from" in result.stdout
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2, 3, 4]
@@ -76,10 +86,12 @@ def test_quickstart_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert _changed_tensors(model_dir, run_dir / "checkpoints" / "step_4" / "model") > 0
 
 
-def _check_timeline(run_dir: Path, hybrid: bool = True) -> None:
+def _check_timeline(run_dir: Path, hybrid: bool = True, how: str = "running") -> None:
     """timeline.json has a lane per worker of placement.json, with each phase a step runs there, and every
     worker span of a step inside that step's driver span; timeline.png exists. `hybrid`: the engine runs in
-    actor_train's process (the quickstart), its spans in a lane of its own all the same."""
+    actor_train's process (the quickstart), its spans in a lane of its own all the same. `how`: how the run got
+    Ray; "prestarted" (a `rollflow train` process: the command line's own Ray) also means the warm worker that
+    Ray started ahead was taken over by actor_train."""
     events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     lanes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     names: dict[str, set] = {}
@@ -101,6 +113,9 @@ def _check_timeline(run_dir: Path, hybrid: bool = True) -> None:
         assert {"start", "generate_batch", "update_weights", "offload", "onload"} <= names["actor_infer 0"]
     # the driver checks its inputs while the workers start (after Ray: a thread would share its GIL)
     (ray_start,) = [e for e in events if e["name"] == "start ray"]
+    assert ray_start["args"] == {"how": how}
+    if how == "prestarted":
+        assert [lanes[e["pid"]] for e in events if e["name"] == "warm up"] == ["actor_train 0"]
     (check,) = [e for e in events if e["name"] == "check inputs"]
     (start,) = [e for e in events if e["name"] == "start workers"]
     assert ray_start["ts"] + ray_start["dur"] <= min(start["ts"], check["ts"])
@@ -113,7 +128,7 @@ def _check_timeline(run_dir: Path, hybrid: bool = True) -> None:
     assert (run_dir / "timeline.png").stat().st_size > 1000
 
 
-def test_user_model_dataset_and_dotted_path_reward(tmp_path):
+def test_user_model_dataset_and_dotted_path_reward(tmp_path, cli, monkeypatch):
     """A local HF model, a JSONL dataset with an extra column, a reward by dotted path, KL to a reference."""
     model_dir = save_random_model(tmp_path / "my_model", seed=3)
     data = tmp_path / "data.jsonl"
@@ -144,7 +159,8 @@ def test_user_model_dataset_and_dotted_path_reward(tmp_path):
         eval: {{every_steps: 1}}
         output: {{dir: {tmp_path}, trackers: [jsonl]}}
     """))
-    _train(str(config), env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward is scored on the driver
+    _train(cli, str(config))
     rows = _metrics(tmp_path / "user")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert {"rollout/reward/user_pkg.scoring:overlap", "rollout/reward/exact_match"} <= set(rows[1])
@@ -155,12 +171,8 @@ def test_user_model_dataset_and_dotted_path_reward(tmp_path):
     _check_timeline(tmp_path / "user", hybrid=False)  # separate engine worker, and a reference worker
 
 
-def test_eval_command_scores_a_model(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "eval", "--model", "tiny", "data.eval.limit=20",
-         f"output.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300,
-    )
+def test_eval_command_scores_a_model(tmp_path, cli):
+    result = cli("eval", "--model", "tiny", "data.eval.limit=20", f"output.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     accuracy = float(next(line for line in result.stdout.splitlines() if line.startswith("eval/accuracy:"))
                      .split(":")[1])
@@ -168,10 +180,10 @@ def test_eval_command_scores_a_model(tmp_path):
     assert len((tmp_path / "eval-tiny" / "eval_samples.jsonl").read_text().splitlines()) == 20
 
 
-def test_quickstart_learns(tmp_path):
+def test_quickstart_learns(tmp_path, cli):
     """A short version of the quickstart: held-out greedy accuracy and training reward both rise."""
     # lr pinned: the quickstart's own (3e-4, tuned for its 120 cosine steps) dips early at a constant rate
-    _train("examples/quickstart.yaml", "train.steps=12", "train.lr_schedule=constant", "train.lr=2.0e-4",
+    _train(cli, "examples/quickstart.yaml", "train.steps=12", "train.lr_schedule=constant", "train.lr=2.0e-4",
            "eval.every_steps=12",
            "data.eval.limit=200", "output.trackers=[jsonl]", "name=learn", f"output.dir={tmp_path}")
     rows = _metrics(tmp_path / "learn")

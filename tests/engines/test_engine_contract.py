@@ -31,7 +31,7 @@ class EngineCase:
     name: str
     engine: object
     logprob_tolerance: float  # max |engine - trainer| logprob (fp32 CPU trainer)
-    abort_delay_s: float  # how long a request runs before the abort test aborts it
+    abort_delay_s: float  # how long a request runs before the abort test aborts it (vLLM: at its first token)
     abort_tokens: int  # max_new_tokens of the aborted request: far more than fit in abort_delay_s
 
 
@@ -118,7 +118,23 @@ def test_logprobs_match_a_trainer_recomputation(case, contract_model_dir):
         assert float(gap.max()) < case.logprob_tolerance, (temperature, float(gap.max()))
 
 
-def test_abort_resolves_a_long_request_early_and_leaves_others_running(case):
+def _abort_at_its_first_tokens(engine, request_id: str, monkeypatch) -> None:
+    """vLLM: `request_id` is aborted on the engine's loop as its first tokens arrive, so the abort lands with
+    the rest of its tokens still to come, whatever the machine's speed."""
+    import rollflow.engines.vllm_engine as vllm_engine
+
+    apply, sent = vllm_engine.apply_request_output, []
+
+    def apply_then_abort(outputs, request_output, version):
+        apply(outputs, request_output, version)
+        if engine._tasks.get(request_id) is asyncio.current_task() and outputs[0].token_ids and not sent:
+            sent.append(request_id)
+            engine.abort([request_id])  # lands on this loop's next turn
+
+    monkeypatch.setattr(vllm_engine, "apply_request_output", apply_then_abort)
+
+
+def test_abort_resolves_a_long_request_early_and_leaves_others_running(case, monkeypatch):
     limit = case.abort_tokens
     greedy = SamplingParams(max_new_tokens=limit, temperature=0.0)
     # A prompt whose greedy continuation runs the full `limit` tokens without EOS: without the abort it
@@ -128,14 +144,18 @@ def test_abort_resolves_a_long_request_early_and_leaves_others_running(case):
     assert long_prompts, "no test prompt runs to the length limit under greedy decoding"
     prompt = long_prompts[0]
     full = full_runs[PROMPTS.index(prompt)].outputs[0]
+    hooked = case.name == "vllm"
+    if hooked:
+        _abort_at_its_first_tokens(case.engine, "victim", monkeypatch)
 
     async def main():
         victim = asyncio.ensure_future(case.engine.generate(GenerationRequest("victim", prompt, greedy)))
         other = asyncio.ensure_future(case.engine.generate(GenerationRequest("other", prompt, greedy)))
-        for _ in range(5):  # let the requests start decoding
-            await asyncio.sleep(0)
-        await asyncio.sleep(case.abort_delay_s)
-        case.engine.abort(["victim"])
+        if not hooked:
+            for _ in range(5):  # let the requests start decoding (the hf engine: a token per turn at most)
+                await asyncio.sleep(0)
+            await asyncio.sleep(case.abort_delay_s)
+            case.engine.abort(["victim"])
         return await victim, await other
 
     victim, other = asyncio.run(main())

@@ -203,7 +203,7 @@ def test_waits_are_bounded_and_the_thread_cannot_wait_for_itself():
             driver.run(hanging, timeout_s=0.1)
         with pytest.raises(TimeoutError):
             driver.call(lambda: time.sleep(0.5), timeout_s=0.1)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # ~0.2 s: a hang guard (the gate never opens)
         with pytest.raises(RuntimeError, match="deadlock"):
             driver.call(lambda: driver.run(driver.instance.echo("x")))
         with pytest.raises(RuntimeError, match="deadlock"):

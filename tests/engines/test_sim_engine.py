@@ -116,17 +116,37 @@ def test_a_simulated_token_limit_below_one_payload_token_is_kept():
     assert engine.stats["decode_steps"] == 6 and engine.stats["tokens"] == 18
 
 
-def test_a_weight_load_versions_later_tokens_and_an_abort_keeps_what_was_generated():
+class _Clock:
+    """The sim engine's `time`, whose `monotonic()` moves only when the test moves it (its simulated time then
+    depends on nothing else); the rest of `time` as usual."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_weight_load_versions_later_tokens_and_an_abort_keeps_what_was_generated(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr("rollflow.engines.sim.time", clock)
     engine = _sim(time_scale=50.0, overrides={"sync_fixed_s": 0.0, "model_bytes": 0})
     request = GenerationRequest("long", [3] * 4, SamplingParams(max_new_tokens=20_000, min_new_tokens=20_000))
 
     async def main():
         task = asyncio.ensure_future(engine.generate(request))
-        await asyncio.sleep(0.3)  # ~15 simulated seconds: ~1,800 tokens
+        for _ in range(100):  # a few turns of the loop: the engine admits it, and it decodes from clock 0 on
+            if engine.stats["prefill_tokens"]:
+                break
+            await asyncio.sleep(0)
+        clock.now += 0.3  # ~15 simulated seconds: ~1,800 tokens
         engine.update_weights({}, version=1)
-        await asyncio.sleep(0.3)
+        clock.now += 0.3
         engine.abort(["long"])
-        return await task
+        return await asyncio.wait_for(task, 60)
 
     output = asyncio.run(main()).outputs[0]
     assert output.finish_reason == "abort" and 1000 < len(output.token_ids) < 20_000

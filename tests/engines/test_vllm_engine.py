@@ -252,35 +252,38 @@ def test_refuses_requests_whose_logprobs_would_differ(vllm_cpu_engine):
 
 @pytest.mark.vllm
 def test_partial_rollout_keeps_its_tokens_across_a_weight_update(vllm_cpu_engine, contract_model_dir,
-                                                                 restore_weights):
+                                                                 restore_weights, monkeypatch):
     """A request in flight when weights load keeps its tokens and continues; tokens before the load carry the
     old version, tokens after it the new one. With the same weights loaded, the continuation is exactly the
     uninterrupted greedy run (the preempted request is prefilled again and decodes on)."""
+    import rollflow.engines.vllm_engine as vllm_engine
     from rollflow.models import load_causal_lm
 
     engine = vllm_cpu_engine
     prompt, full = _length_prompt(engine, 200)
-    weights = dict(load_causal_lm(contract_model_dir).named_parameters())
+    payload = vllm_engine.weights_payload(dict(load_causal_lm(contract_model_dir).named_parameters()))
+    old = engine.version
+    loads = []  # the load, once started (a concurrent future)
+    apply = vllm_engine.apply_request_output
 
-    async def main(old: int, wait_s: float):
-        running = asyncio.ensure_future(engine.generate(
-            GenerationRequest(f"partial{old}", prompt, SamplingParams(max_new_tokens=200, temperature=0.0))))
-        await asyncio.sleep(wait_s)
-        await asyncio.get_running_loop().run_in_executor(None, engine.update_weights, weights, old + 1)
-        return await running
+    def apply_then_load(outputs, request_output, version):
+        """On the engine's loop, as the request's first tokens arrive: the load starts there and pauses the
+        request with ~200 tokens still to go, whatever the machine's speed (no sleep racing the decode)."""
+        apply(outputs, request_output, version)
+        if outputs[0].token_ids and not loads:
+            loads.append(asyncio.run_coroutine_threadsafe(engine._load(payload, old + 1),
+                                                          asyncio.get_running_loop()))
 
-    # the update must land while the request runs: on a loaded machine the request may finish first, so a
-    # shorter wait is tried then (each try's update still lands, as the next version)
-    for wait_s in (0.3, 0.1, 0.02):
-        old = engine.version
-        out = _run(main(old, wait_s)).outputs[0]
-        assert out.finish_reason == "length" and out.token_ids == full
-        versions = out.policy_versions
-        if old + 1 in versions:
-            break
-    assert old + 1 in versions, "in three tries the update never landed while the request was running"
+    monkeypatch.setattr(vllm_engine, "apply_request_output", apply_then_load)  # the only request from here on
+    out = _run(engine.generate(GenerationRequest("partial", prompt, SamplingParams(max_new_tokens=200,
+                                                                               temperature=0.0)))).outputs[0]
+    assert loads, "the request produced no tokens"
+    loads[0].result(timeout=120)  # done (the request resumed at its end); raises what the load raised
+    assert out.finish_reason == "length" and out.token_ids == full
+    versions = out.policy_versions
+    assert engine.version == old + 1 and old + 1 in versions, "the update did not land while the request ran"
     switch = versions.index(old + 1)
-    assert 0 < switch < len(versions), "the update did not land while the request was running"
+    assert 0 < switch < len(versions)
     assert versions == [old] * switch + [old + 1] * (len(versions) - switch)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ WRAPPERS = ["prompts", "tool_use"]  # a prompt dataset as an env, and tools arou
 
 def test_builtins_are_registered():
     make_env("frozenlake")  # imports the built-ins
-    assert ENVS.names() == sorted(BUILTINS + WRAPPERS)
+    assert set(BUILTINS + WRAPPERS) <= set(ENVS.names())  # an env registered later joins them
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -52,7 +53,8 @@ def test_observations_are_compact():
 
 
 def test_unknown_builtin_lists_the_valid_names():
-    with pytest.raises(UnknownNameError, match="Did you mean 'frozenlake'.*countdown, frozenlake, guess_number, prompts, sokoban, tool_use"):
+    valid = re.escape(f"Valid: {', '.join(ENVS.names())}")
+    with pytest.raises(UnknownNameError, match=rf"Did you mean 'frozenlake'\?.*{valid}"):
         make_env("frozenlak")
     with pytest.raises(UnknownNameError):
         check_env_id("nope")

@@ -8,6 +8,7 @@ killed mid-episode.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import os
 import select
@@ -39,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def serving(env_id: str, env_kwargs: dict[str, Any] | None = None, **limits: Any):
-    """`create_app(env_id, ...)` on uvicorn in a thread; yields the env's URL."""
+def serving(env_id: str, env_kwargs: dict[str, Any] | None = None, keep_server: bool = False, **limits: Any):
+    """`create_app(env_id, ...)` on uvicorn in a thread; yields the env's URL (`keep_server`: the URL and
+    (server, thread), for a test that stops it itself)."""
     app = create_app(env_id, env_kwargs or {}, **limits)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -49,8 +51,9 @@ def serving(env_id: str, env_kwargs: dict[str, Any] | None = None, **limits: Any
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.config.port}/{env_id}"
     try:
-        yield f"http://127.0.0.1:{server.config.port}/{env_id}"
+        yield (url, (server, thread)) if keep_server else url
     finally:
         server.should_exit = True
         thread.join(10)
@@ -59,7 +62,9 @@ def serving(env_id: str, env_kwargs: dict[str, Any] | None = None, **limits: Any
 @contextlib.contextmanager
 def serving_subprocess(env_id: str, count: int):
     """`count` `rollflow env serve` subprocesses; yields [(url, process)]."""
-    servers = start_env_servers(env_id, count, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a server's start is its imports (~4 s); the limit is a hang guard a loaded machine must not reach
+    servers = start_env_servers(env_id, count, cwd=ROOT, limit_s=300, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     try:
         yield servers
     finally:
@@ -126,11 +131,13 @@ def test_two_sessions_of_one_seed_play_independently_like_in_process():
 
 
 def test_a_step_past_the_time_limit_answers_504_and_drops_the_session():
-    with serving(SLOW, {"step_sleep_s": 2.0}, step_timeout_s=0.2) as url:
+    slow_env.STEP_RELEASE.clear()
+    with serving(SLOW, {"hang_step": True}, step_timeout_s=0.2) as url:
         session = post(url, "reset", seed=0).json()["session"]
-        started = time.monotonic()
-        reply = post(url, "step", session=session, action="Right")
-        assert time.monotonic() - started < 1.5
+        try:
+            reply = post(url, "step", session=session, action="Right")  # answered while the step still hangs
+        finally:
+            slow_env.STEP_RELEASE.set()
         assert reply.status_code == 504
         assert reply.json() == {"error": "env step ran past the server's step time limit of 0.2 s", "kind": "timeout"}
         assert post(url, "step", session=session, action="Right").status_code == 404
@@ -150,7 +157,7 @@ def test_sessions_are_bounded_and_freed_on_close():
 def test_idle_sessions_expire():
     with serving("frozenlake", idle_timeout_s=0.3) as url:
         session = post(url, "reset", seed=0).json()["session"]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # ~0.3 s
         while health(url)["live"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert health(url)["live"] == 0
@@ -223,23 +230,46 @@ def test_the_client_plays_like_in_process_and_picks_the_least_loaded_server():
         assert held_sessions()[first] == held_sessions()[second] == 0
 
 
-def test_a_killed_server_is_replayed_on_the_other_and_the_episode_ends_as_in_process():
+@contextlib.contextmanager
+def two_killable_servers(how: str):
+    """Two frozenlake servers, `rollflow env serve` subprocesses ("process") or uvicorn in threads of this
+    process ("thread"); yields {url: a function that ends that server at once}."""
+    if how == "process":
+        with serving_subprocess("frozenlake", 2) as servers:
+            def kill(process: subprocess.Popen) -> None:
+                process.kill()
+                process.wait(10)
+
+            yield {url: functools.partial(kill, process) for url, process in servers}
+        return
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(serving("frozenlake", keep_server=True)) for _ in range(2)]
+
+        def stop(server: uvicorn.Server, thread: threading.Thread) -> None:
+            server.should_exit = server.force_exit = True  # no graceful wait: its sockets close at once
+            thread.join(10)
+
+        yield {url: functools.partial(stop, *held) for url, held in servers}
+
+
+# killed `rollflow env serve` processes cost two servers' start (~4 s of imports each on 2 cores): the slow
+# tier's; the same client path against servers in threads stays in the fast one
+@pytest.mark.parametrize("how", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_killed_server_is_replayed_on_the_other_and_the_episode_ends_as_in_process(how):
     actions, expected = play_in_process("frozenlake", seed=11)
-    with serving_subprocess("frozenlake", 2) as servers:
-        processes = dict(servers)
-        env = RemoteEnv(list(processes), timeout_s=5)
+    with two_killable_servers(how) as kills:
+        env = RemoteEnv(list(kills), timeout_s=5)
         assert env.reset(11)[0] == expected[0]
         results = step_results(env, actions[:2])
         killed = env.url
-        processes[killed].kill()
-        processes[killed].wait(10)
+        kills[killed]()
         results += step_results(env, actions[2:])
         assert env.url != killed
         assert [without_retries(result) for result in results] == expected[1:]
         assert [result[4]["env_retries"] for result in results] == [0, 0, 1] + [0] * (len(actions) - 3)
         env.close()
         # the dead server holds no sessions, yet new episodes do not try it first: it rests after failing
-        others = [RemoteEnv(list(processes), timeout_s=5) for _ in range(3)]
+        others = [RemoteEnv(list(kills), timeout_s=5) for _ in range(3)]
         assert [other.reset(11)[1]["env_retries"] for other in others] == [0, 0, 0]
         assert all(other.url != killed for other in others)
         for other in others:
@@ -248,13 +278,17 @@ def test_a_killed_server_is_replayed_on_the_other_and_the_episode_ends_as_in_pro
 
 def test_a_slow_server_is_retried_on_the_other():
     actions, expected = play_in_process(SLOW, seed=2)
-    with serving(SLOW, {"step_sleep_s": 3.0}) as slow, serving(SLOW) as fast:
+    slow_env.STEP_RELEASE.clear()
+    with serving(SLOW, {"hang_step": True}) as slow, serving(SLOW) as fast:
         holder = RemoteEnv([fast])
         holder.reset(0)  # the fast server holds one session, so the next episode starts on the slow one
-        env = RemoteEnv([slow, fast], timeout_s=0.5)
+        env = RemoteEnv([slow, fast], timeout_s=2.0)  # the slow server's steps hang; the fast one's take ms
         env.reset(2)
         assert env.url == slow
-        results = step_results(env, actions)
+        try:
+            results = step_results(env, actions)
+        finally:
+            slow_env.STEP_RELEASE.set()
         assert env.url == fast
         assert [without_retries(result) for result in results] == expected[1:]
         assert results[0][4]["env_retries"] == 1 and all(r[4]["env_retries"] == 0 for r in results[1:])
@@ -280,7 +314,9 @@ class _Garbage(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_answering_garbage_fails_after_the_retries_in_one_line():
+def test_a_server_answering_garbage_fails_after_the_retries_in_one_line(monkeypatch):
+    waits = []
+    monkeypatch.setattr(remote, "_pause", waits.append)  # recorded, not slept (~3 s): the waits are below
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/frozenlake"
@@ -295,6 +331,7 @@ def test_a_server_answering_garbage_fails_after_the_retries_in_one_line():
     assert message == (f"env server {url}: reset failed after 2 retries: the reply is not a JSON object "
                        "(HTTP 200: <html>surely not JSON</html>)")
     assert _Garbage.hits == ["POST /frozenlake/reset"] * 3
+    assert len(waits) == 2  # one before each retry (one server: nowhere else to go at once)
 
 
 def test_the_envs_own_exception_is_not_retried():
@@ -308,7 +345,8 @@ def test_the_envs_own_exception_is_not_retried():
         env.close()
 
 
-def test_the_client_bounds_every_call():
+def test_the_client_bounds_every_call(monkeypatch):
+    monkeypatch.setattr(remote, "_pause", lambda seconds: None)  # its 1 s wait before the retry
     port = free_port()  # nothing listens there
     env = RemoteEnv([f"http://127.0.0.1:{port}/frozenlake"], timeout_s=1, retries=1)
     with pytest.raises(RemoteEnvError, match=r"reset failed after 1 retry: connection refused$"):
@@ -432,14 +470,14 @@ def test_env_config_takes_a_list_of_urls():
 # --- the command line -------------------------------------------------------------------------------------------
 
 
-def test_serve_refuses_an_unknown_env_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "rollflow.cli", "env", "serve", "nosuchenv"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env={**os.environ})
+def test_serve_refuses_an_unknown_env_in_one_line(cli):
+    done = cli("env", "serve", "nosuchenv")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("rollflow: error: unknown environment 'nosuchenv'")
     assert done.stdout == ""
 
 
+@pytest.mark.slow  # the server's own process (~4 s of imports on 2 cores) and its signal handling
 def test_serve_on_port_0_prints_the_port_it_got_and_stops_on_sigterm():
     process = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "env", "serve", "frozenlake", "--port", "0",
                                 "--max-sessions", "3"], cwd=ROOT, stdout=subprocess.PIPE,
@@ -461,9 +499,8 @@ def test_serve_on_port_0_prints_the_port_it_got_and_stops_on_sigterm():
 
 
 @pytest.mark.parametrize("port", ["-1", "70000"])
-def test_serve_refuses_a_port_out_of_range_in_one_line(port):
-    done = subprocess.run([sys.executable, "-m", "rollflow.cli", "env", "serve", "frozenlake", "--port", port],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+def test_serve_refuses_a_port_out_of_range_in_one_line(cli, port):
+    done = cli("env", "serve", "frozenlake", "--port", port)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == f"rollflow: error: --port must be 0 to 65535 (0: any free port), got {port}\n"
 

@@ -7,8 +7,6 @@ turns into no token. Whitespace that does become tokens is a real response, and 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -248,14 +246,13 @@ def test_rows_left_fewer_than_a_batch_say_how_many_were_dropped(tmp_path):
 
 # ---- the real command line ----------------------------------------------------------------------------------
 
-def test_rollflow_dpo_refuses_a_pair_of_one_text_in_one_line(tmp_path):
+def test_rollflow_dpo_refuses_a_pair_of_one_text_in_one_line(tmp_path, cli):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [
         *PAIRS[:2], {"prompt": "1+1", "chosen": "2", "rejected": "2"}]))
     # `train.epochs` makes the driver check the rows before it starts any worker (the step count waits on them)
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "dpo", "examples/dpo.yaml", f"data.train={{path: {tmp_path}/d.jsonl}}",
-         "data.eval=null", "eval.greedy_accuracy=false", "train={epochs: 1, batch_size: 2}",
-         f"output.dir={tmp_path}/runs"], capture_output=True, text=True, timeout=300)
+    result = cli("dpo", "examples/dpo.yaml", f"data.train={{path: {tmp_path}/d.jsonl}}", "data.eval=null",
+                 "eval.greedy_accuracy=false", "train={epochs: 1, batch_size: 2}",
+                 f"output.dir={tmp_path}/runs")
     assert result.returncode == EXIT_USER_ERROR, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [

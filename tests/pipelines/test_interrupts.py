@@ -95,7 +95,9 @@ try:
     with StopSignals() as stop:
         with stop.critical():
             print("step started", flush=True)
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while not stop.received and time.monotonic() < deadline:  # the signal lands in the step
+                time.sleep(0.01)
             print("step finished", flush=True)
         time.sleep(30)
         print("not interrupted", flush=True)

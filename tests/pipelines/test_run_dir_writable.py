@@ -4,8 +4,6 @@ trying to create a file (root may write anywhere `os.access` asks about, but not
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -74,12 +72,11 @@ def test_a_finished_run_on_a_read_only_mount_still_has_nothing_to_do(tmp_path):
         resume_point(_config(tmp_path, "resume=true"))
 
 
-def test_the_command_line_says_it_in_one_line_before_any_worker_starts(tmp_path):
+def test_the_command_line_says_it_in_one_line_before_any_worker_starts(tmp_path, cli):
     (tmp_path / "f").write_text("x")
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "train", "examples/quickstart.yaml",
-                             "train.steps=2", "eval.every_steps=0", f"output.dir={tmp_path}/f"],
-                            capture_output=True, text=True, timeout=120)
+    result = cli("train", "examples/quickstart.yaml", "train.steps=2", "eval.every_steps=0",
+                 f"output.dir={tmp_path}/f")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [

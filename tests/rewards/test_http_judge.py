@@ -1,7 +1,8 @@
 """`http_judge` against a stub OpenAI-compatible server on 127.0.0.1, in a thread of the test process.
 
 The stub checks the request shape (path, headers, JSON body) and answers by the completion being judged:
-a canned score, a slow reply (timeouts), HTTP 500 a few times then a score (retries), 500 forever, 400.
+a canned score, a slow reply, one that waits for company (concurrency), one that hangs until the test ends
+(timeouts), HTTP 500 a few times then a score (retries), 500 forever, 400.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from rollflow.rewards.judge import HTTPJudge
 
 class StubServer:
     """`POST /v1/chat/completions` like an OpenAI server; `behaviour[marker]` picks the reply for a judge
-    prompt containing `marker`: ("score", text) | ("slow", seconds) | ("fail_then", n, text) | ("status", code)."""
+    prompt containing `marker`: ("score", text) | ("slow", seconds) | ("paired", seconds): once another
+    request is in flight too, after `seconds` | ("hang",): once `release` is set | ("fail_then", n, text) |
+    ("status", code)."""
 
     def __init__(self):
         self.requests: list[dict] = []  # every request received: path, headers, body
@@ -28,6 +31,7 @@ class StubServer:
         self.failures: dict[str, int] = {}
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
+        self.release = threading.Event()  # set when the test ends: a hanging reply goes on
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,11 +44,11 @@ class StubServer:
                     stub.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
                     stub.in_flight += 1
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                self.counted = True
                 try:
                     stub.reply(self, body)
                 finally:
-                    with stub.lock:
-                        stub.in_flight -= 1
+                    stub.answered(self)  # if no reply went out
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -55,8 +59,16 @@ class StubServer:
         prompt = body["messages"][-1]["content"]
         marker = next((m for m in self.behaviour if m in prompt), None)
         action = self.behaviour.get(marker, ("score", "5"))
+        if action[0] == "paired":
+            deadline = time.monotonic() + 10  # a hang guard: the other request comes at once
+            while self.in_flight < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            action = ("slow", action[1])
         if action[0] == "slow":
             time.sleep(action[1])
+            action = ("score", "9")
+        if action[0] == "hang":
+            self.release.wait(60)
             action = ("score", "9")
         if action[0] == "fail_then":
             with self.lock:
@@ -70,9 +82,17 @@ class StubServer:
                                  "choices": [{"index": 0, "finish_reason": "stop",
                                               "message": {"role": "assistant", "content": action[1]}}]})
 
-    @staticmethod
-    def send(handler, status: int, payload: dict) -> None:
+    def answered(self, handler) -> None:
+        """`handler`'s request no longer counts as in flight: from just before its reply goes out (the client
+        may send its next request as soon as it reads the reply, before this thread runs again)."""
+        with self.lock:
+            if handler.counted:
+                handler.counted = False
+                self.in_flight -= 1
+
+    def send(self, handler, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
+        self.answered(handler)
         try:
             handler.send_response(status)
             handler.send_header("Content-Type", "application/json")
@@ -87,6 +107,7 @@ class StubServer:
 def stub():
     server = StubServer()
     yield server
+    server.release.set()
     server.server.shutdown()
     server.server.server_close()
 
@@ -132,15 +153,15 @@ def test_base_url_with_v1_and_no_key(stub):
 
 
 def test_timeout_fails_the_sample_fast(stub):
-    stub.behaviour = {"A=slow": ("slow", 3.0)}
-    judge = _judge(stub, timeout_s=0.3, max_retries=1)
+    stub.behaviour = {"A=slow": ("hang",)}  # answers only once the test is over
+    judge = _judge(stub, timeout_s=1.0, max_retries=1)  # a quick reply takes milliseconds
     started = time.perf_counter()
     scores = _score(judge, ["slow", "quick"])
     elapsed = time.perf_counter() - started
     assert isinstance(scores[0], ScoreError)
     assert "failed 2 time(s)" in scores[0].message and "timed out" in scores[0].message
     assert scores[1]["reward"] == pytest.approx(0.5)  # the other sample is unaffected
-    assert elapsed < 2.0  # 2 attempts x 0.3 s + backoff, not the stub's 3 s
+    assert elapsed < 30  # 2 attempts x 1 s + backoff, not the hang's 60 s (a hang guard)
     assert sum("A=slow" in r["body"]["messages"][-1]["content"] for r in stub.requests) == 2
 
 
@@ -169,7 +190,7 @@ def test_client_errors_are_not_retried(stub):
 
 
 def test_concurrency_is_bounded(stub):
-    stub.behaviour = {"A=s": ("slow", 0.2)}
+    stub.behaviour = {"A=s": ("paired", 0.2)}  # two at once for sure; 0.2 s for a third to show up if sent
     scores = _score(_judge(stub, max_concurrency=2), [f"s{i}" for i in range(6)])
     assert all(s["reward"] == pytest.approx(0.9) for s in scores)
     assert stub.max_in_flight == 2

@@ -48,6 +48,7 @@ def test_a_missing_module_says_where_it_looked(in_a_project):
         resolve_reward("no_such_rewards:score")
 
 
+@pytest.mark.slow  # the installed command's own process is the point: its `sys.path` (~5 s on 2 cores)
 def test_the_rollflow_command_imports_it_without_pythonpath(tmp_path):
     """`rollflow train CONFIG reward.functions=[...] --print-plan` (it resolves the rewards to plan the roles)
     run by a launcher like the installed `rollflow` script: from another directory, without PYTHONPATH."""

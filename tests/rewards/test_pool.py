@@ -20,7 +20,7 @@ def test_a_hung_call_times_out_and_the_pool_keeps_serving():
         after = pool.submit("fine", lambda x: x + 1, (41,))
         with pytest.raises(RewardTimeoutError, match=r"reward 'stuck' timed out after 0.3 s"):
             hung.result(timeout=5)
-        assert 0.3 <= time.monotonic() - started < 2.0
+        assert 0.3 <= time.monotonic() - started < 10  # its 0.3 s limit (the upper bound: a hang guard)
         assert after.result(timeout=5) == 42  # the only thread hung; a replacement served the next call
         assert pool.timeouts == 1
     finally:

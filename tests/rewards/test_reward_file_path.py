@@ -101,12 +101,9 @@ def test_a_bad_file_reward_is_one_line(project, spec, message):
     assert str(info.value) == message.format(project=project)
 
 
-def test_the_command_line_says_it_in_one_line(project):
+def test_the_command_line_says_it_in_one_line(project, cli):
     """`rollflow train ... --print-plan` resolves the rewards (to plan the roles), before Ray starts."""
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "train", str(QUICKSTART),
-         'reward.functions=[{name: "rewards/score.py:nope"}]', "--print-plan"],
-        cwd=project, capture_output=True, text=True, timeout=120)
+    result = cli("train", QUICKSTART, 'reward.functions=[{name: "rewards/score.py:nope"}]', "--print-plan")
     assert result.returncode == 2
     assert result.stderr == "rollflow: error: reward 'rewards/score.py:nope': rewards/score.py has no function 'nope'\n"
 

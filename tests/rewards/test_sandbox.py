@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import time
+import threading
 
 import pytest
 
@@ -12,6 +13,7 @@ from rollflow.rewards.sandbox_isolation import detect_isolation
 from rollflow.rewards.sandbox_processes import processes_of_uid
 
 FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=2.0, memory_bytes=256 << 20, max_output_bytes=4096)
+LOOP = dataclasses.replace(FAST, wall_time_s=0.5)  # an endless loop is stopped at any limit: a short one is cheap
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,8 @@ def test_clean_environment_and_private_workdir(sandbox, monkeypatch):
 
 
 def test_limits_are_reported_not_raised(sandbox):
-    looping = sandbox.run_python("while True:\n    pass")
-    assert looping.timed_out and looping.returncode is None and looping.wall_time_s < FAST.wall_time_s + 2
+    looping = sandbox.run_python("while True:\n    pass", limits=LOOP)
+    assert looping.timed_out and looping.returncode is None and looping.wall_time_s < LOOP.wall_time_s + 2
     flooding = sandbox.run_python("while True:\n    print('x' * 100)")
     assert flooding.output_limited and len(flooding.stdout) == FAST.max_output_bytes
     memory = sandbox.run_python("x = bytearray(1 << 30)")
@@ -54,15 +56,30 @@ def test_file_paths_must_stay_in_the_workdir(sandbox):
         sandbox.run_python("pass", files={"../escape.py": "x"})
 
 
-def test_pool_runs_in_parallel():
+def test_pool_runs_in_parallel(monkeypatch):
+    """8 runs, 4 at a time: each run's process, once started, waits until 4 are started (one at a time, the
+    first would wait forever), and never more than 4 are."""
+    from rollflow.rewards import sandbox as sandbox_module
+
+    together, lock, running, peak = threading.Barrier(4, timeout=60), threading.Lock(), [0], [0]
+    real_communicate = sandbox_module.communicate
+
+    def communicate_once_four_run(process, *args):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        together.wait()
+        try:
+            return real_communicate(process, *args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(sandbox_module, "communicate", communicate_once_four_run)
     sandbox = Sandbox(FAST, max_parallel=4)
-    programs = ["import time\ntime.sleep(0.5)\nprint('done')"] * 8
-    start = time.monotonic()
-    results = sandbox.map(sandbox.run_python, programs)
-    elapsed = time.monotonic() - start
-    assert all(r.ok for r in results)
-    # 8 runs of 0.5 s, 4 at a time: ~1 s plus start-up; one at a time would take >= 4 s.
-    assert elapsed < 3.5, elapsed
+    results = sandbox.map(sandbox.run_python, ["print('done')"] * 8)
+    assert all(r.ok and r.stdout == b"done\n" for r in results)
+    assert peak[0] == 4
 
 
 def test_required_isolation_is_enforced():
@@ -81,7 +98,7 @@ def test_weaker_levels_still_enforce_limits_and_clean_up(level):
         "import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True, stdout=subprocess.DEVNULL)"
     )
     assert detached.ok
-    assert sandbox.run_python("while True:\n    pass").timed_out
+    assert sandbox.run_python("while True:\n    pass", limits=LOOP).timed_out
     assert sandbox.run_python("print('x' * 10**6)").output_limited
     # A program that kills itself is reported as killed (under unshare it is not the namespace's pid 1,
     # which would be immune to its own SIGKILL and exit 0), and an exit status is its own.

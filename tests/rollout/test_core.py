@@ -4,30 +4,45 @@ partial rollout. (The env-group program gets the same policy: tests/rollout/test
 
 import asyncio
 import random
+import sys
 import time
 
 import pytest
 import ray
+import ray.cloudpickle
 
 from rollflow.data.prompts import EncodedPrompt, PromptSampler
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.prompt_groups import PromptGroups
 
+# Actors of this module's classes get them by value: their processes then skip this module's imports (torch
+# among them, ~3 s of CPU on 2 cores), which importing the class from here would cost each of them.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 
 class _FakeEngine:
     """An engine worker: prompt [k] answers `k % 7` after `delays[k]` seconds (default 0), one token per
-    `tokens[k]`; every token carries the engine's current version, read as each token is "sampled"."""
+    `tokens[k]`; every token carries the engine's current version, read as each token is "sampled". The first
+    request of a key in `held` answers only once it is aborted (a long tail that is cut whatever the machine's
+    speed)."""
 
     def __init__(self, delays: dict[int, float] | None = None, tokens: dict[int, int] | None = None,
-                 jitter: float = 0.0, seed: int = 0):
-        self.delays, self.tokens, self.jitter = delays or {}, tokens or {}, jitter
+                 jitter: float = 0.0, seed: int = 0, held: frozenset[int] = frozenset()):
+        self.delays, self.tokens, self.jitter, self.held = delays or {}, tokens or {}, jitter, held
         self.random = random.Random(seed)
-        self.version, self.aborted, self.requests = 0, set(), []
+        self.version, self.aborted, self.requests, self.served = 0, set(), [], 0
+        self.active: set[str] = set()  # requests being answered
+        self.midway: set[str] = set()  # requests whose current sample has tokens and more to come
+        self.paused: set[str] = set()  # requests that sample nothing more until they are aborted
 
     async def _one(self, request):
-        key = request.prompt_ids[0]
+        key, request_id = request.prompt_ids[0], request.request_id
+        first = key not in self.requests
         self.requests.append(key)
+        self.active.add(request_id)
+        if first and key in self.held:
+            self.paused.add(request_id)
         length = min(self.tokens.get(key, 1), request.params.max_new_tokens)
         delay = self.delays.get(key, 0.0) + self.random.uniform(0, self.jitter)
         outputs = []
@@ -35,12 +50,19 @@ class _FakeEngine:
             versions = []
             for _ in range(length):
                 await asyncio.sleep(delay / length)
-                if request.request_id in self.aborted:
+                await _until(lambda: request_id not in self.paused or request_id in self.aborted)
+                if request_id in self.aborted:
                     break
                 versions.append(self.version)
-            reason = "abort" if request.request_id in self.aborted else "stop"
+                if len(versions) < length:
+                    self.midway.add(request_id)
+            self.midway.discard(request_id)
+            reason = "abort" if request_id in self.aborted else "stop"
             outputs.append(CompletionOutput([key % 7] * len(versions), [-0.1] * len(versions), versions, reason))
-        return Completion(request.request_id, outputs, {})
+        self.active.discard(request_id)
+        self.paused.discard(request_id)
+        self.served += 1
+        return Completion(request_id, outputs, {})
 
     async def generate(self, request):
         return await self._one(request)
@@ -51,11 +73,37 @@ class _FakeEngine:
     async def abort(self, request_ids):
         self.aborted.update(request_ids)
 
-    async def set_version(self, version):
+    async def set_version(self, version, mid_response: bool = False, pause: bool = False):
+        """The weight sync. `mid_response`: once a sample is part-way (at once when nothing is generating), so
+        its next token carries the new version; `pause`: that request then samples nothing more until it is
+        aborted (as `resubmit` does after an update)."""
+        if mid_response:
+            await _until(lambda: self.midway or not self.active)
+            if pause:
+                self.paused.update(self.midway)
         self.version = version
 
     async def seen(self):
         return list(self.requests)
+
+    async def served_requests(self):
+        return self.served
+
+
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    """Poll `condition` on the actor's loop until it holds (a hang guard: the waits take well under 1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "a fake engine waited a minute"
+        await asyncio.sleep(0.005)
+
+
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    """Poll `condition` from the driver until it holds (a hang guard: the waits take well under 1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s"
+        time.sleep(0.01)
 
 
 def _reward(completion, **row):
@@ -139,8 +187,9 @@ def test_refill_replaces_filtered_groups_until_its_bound(engine):
 
 
 def test_overprovisioning_aborts_the_slowest_groups_and_runs_them_in_a_long_round(ray_session):
-    slow = {5: 1.2, 11: 1.2}  # two long-tail prompts
-    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays=slow, tokens={5: 8, 11: 8})
+    slow = {5: 1.2, 11: 1.2}  # two long-tail prompts; 5 is still generating when step 1 cuts it
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(delays=slow, tokens={5: 8, 11: 8},
+                                                        held=frozenset({5}))
     settings = dict(groups_per_step=4, overprovision=1.5, long_round_every=3)
     stream = _stream([worker], settings, _prompts(40))
     first = stream.next_batch(step=1, policy_version=0)  # launches 0..5, keeps four of 0..4
@@ -170,7 +219,9 @@ def test_asynchronous_batches_never_exceed_the_staleness_bound(ray_session, max_
             result = stream.next_batch(step=version + 1, policy_version=version)
             staleness += [version - min(s.policy_versions) for s in result.samples if s.status.value == "finished"]
             seen += _keys(result)
-            time.sleep(rng.uniform(0, 0.15))  # "training"
+            if version == 0:  # the groups drawn ahead are sampled by version 0 too: some will be stale
+                _wait_until(lambda: sum(ray.get([w.served_requests.remote() for w in workers])) >= 8)
+            time.sleep(rng.uniform(0, 0.15))  # "training" (random lengths spread the interleavings)
             ray.get([w.set_version.remote(version + 1) for w in workers])  # the weight sync
     finally:
         stream.close()
@@ -195,7 +246,7 @@ def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_
         state = stream.state()
     finally:
         stream.close()
-    assert time.perf_counter() - started < 10
+    assert time.perf_counter() - started < 60  # a hang guard (~1 s); what was drawn is checked below
     # drawn: what the engine took (up to 64 requests in flight, ~0.5 s each) and one step's launch queued
     # beyond it, not the quota's 4 million prompts
     assert state["next_index"] <= 3 * (64 + stream.settings.launched_per_step), state["next_index"]
@@ -256,8 +307,10 @@ def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_ses
             result = stream.next_batch(step=version + 1, policy_version=version)
             samples += result.samples
             resubmitted += result.metrics["rollout/resubmitted_samples"]
-            time.sleep(0.07)  # "training"
-            ray.get(worker.set_version.remote(version + 1))
+            # the update lands while a sample is part-way, if any is generating (from step 2 on, the ones
+            # drawn at the step's start are); `resubmit` must then abort it: it samples nothing more till then
+            resubmit = partial_rollout == "resubmit"
+            ray.get(worker.set_version.remote(version + 1, mid_response=True, pause=resubmit))
             stream.weights_updated()
     finally:
         stream.close()

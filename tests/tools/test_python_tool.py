@@ -37,7 +37,7 @@ def test_a_program_past_its_time_is_stopped():
     start = time.monotonic()
     with pytest.raises(ToolError, match=r"^timed out after 1 s$"):
         run("while True:\n    pass", timeout_s=1)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # its 1 s limit, not forever (a hang guard)
 
 
 def test_long_output_is_cut():

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
 
 from rollflow.errors import ConfigError
 from rollflow.registry import UnknownNameError
-from rollflow.tools import check_tools, make_tools
+from rollflow.tools import TOOLS, check_tools, make_tools
 
 USER_TOOLS = '''
 MADE = []
@@ -111,9 +112,9 @@ def test_what_a_user_factory_makes_is_checked_when_it_is_made(module, factory, m
 
 
 def test_an_unknown_name_says_a_dotted_path_is_valid_too():
-    with pytest.raises(UnknownNameError, match=r"unknown tool 'calculater'\. Did you mean 'calculator'\? Valid: "
-                                               r"calculator, mcp, python, retrieval; or a tool of your own as "
-                                               r"'module:factory'"):
+    valid = re.escape(f"Valid: {', '.join(TOOLS.names())}; or a tool of your own as 'module:factory'")
+    with pytest.raises(UnknownNameError,
+                       match=rf"unknown tool 'calculater'\. Did you mean 'calculator'\? {valid}"):
         check_tools(["calculater"])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import numpy as np
@@ -13,6 +14,8 @@ import pytest
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config.agentic import AgenticConfig
 from rollflow.workers.env import EnvWorker
+
+RESET_RELEASE = threading.Event()  # a "slow_reset" returns once this is set (or after a minute)
 
 
 class BrokenEnv:
@@ -24,8 +27,8 @@ class BrokenEnv:
             time.sleep(0.6)  # as a first `import gem` in a worker
 
     def reset(self, seed=None):
-        if self.mode == "slow_reset":
-            time.sleep(0.6)
+        if self.mode == "slow_reset":  # slower than any limit, whatever the machine's speed
+            RESET_RELEASE.wait(60)
         return {"reset_dict": ({"board": [1, 2]}, {}), "reset_none": (None, {}),
                 "reset_bare": "just text"}.get(self.mode, ("start", {}))
 
@@ -111,7 +114,11 @@ def test_an_env_that_raises_keeps_its_traceback():
 def test_making_an_env_is_not_bound_by_the_step_limit_but_a_reset_is():
     reset, step = play(worker(step_timeout_s=0.3, mode="slow_constructor"))
     assert reset["observation"] == "start" and step["reward"] == 1.0
-    reset, _ = play(worker(step_timeout_s=0.3, mode="slow_reset"))
+    RESET_RELEASE.clear()
+    try:
+        reset, _ = play(worker(step_timeout_s=0.3, mode="slow_reset"))
+    finally:
+        RESET_RELEASE.set()
     assert reset == {"error": "env reset ran past env.step_timeout_s = 0.3 s"}
 
 

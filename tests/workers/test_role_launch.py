@@ -48,7 +48,7 @@ def test_a_failed_check_kills_the_starting_workers(ray_session, random_model_dir
     assert _until(lambda: all(_actors()[actor] == "DEAD" for actor in started)), _actors()
 
 
-def test_workers_started_meanwhile_serve_the_run(ray_session, random_model_dir):
+def test_workers_started_meanwhile_serve_the_run(workers_not_kept, random_model_dir):
     launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=False)
     with launch.cancelled_on_error():
         checked = sum(range(1000))  # the driver's own work, while the workers start
