@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +95,7 @@ def ray_session():
     from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
-    with keep_workers():
+    with keep_workers(max_idle=8):  # the session's runs have more shapes than a sweep's
         yield
     stop_ray()
 
@@ -170,23 +169,47 @@ def pytest_addoption(parser):
 _unmarked_seconds: dict[str, float] = {}
 
 
+# Under pytest-xdist (`-n 2 --dist loadgroup`, .ci/run) a group's tests run in one worker process, so the fixtures
+# they share start once: each module is a group (its module fixtures), and these modules share one group for a
+# session fixture costlier than a module's share of the run.
+SHARED_GROUPS = {  # module -> group
+    "tests/engines/test_engine_contract.py": "vllm-engine",  # vllm_cpu_engine (tests/engines/conftest.py): vLLM
+    "tests/engines/test_vllm_engine.py": "vllm-engine",  # starts in ~30 s
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("vllm") is not None:  # vLLM starts in ~50 s on CPU: the full tier's
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
+    # The longest groups first (the workers take the next group when done): those with vLLM's runs, then those
+    # with slow tests, then the rest, each in collection order; the last group to finish is then a short one.
+    rank: dict[str, int] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group").args[0]
+        item_rank = 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
+        rank[group] = min(rank.get(group, 2), item_rank)
+    items.sort(key=lambda item: rank[item.get_closest_marker("xdist_group").args[0]])
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    started = time.perf_counter()
-    yield
-    if item.get_closest_marker("slow") is None:
-        _unmarked_seconds[item.nodeid] = time.perf_counter() - started
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order above (its own puts the groups
+        config.option.loadscopereorder = False  # with the most tests first, which are the quick ones)
+
+
+def pytest_runtest_logreport(report):
+    # setup, call and teardown of each test; under pytest-xdist the workers' reports reach the controller here
+    if "slow" not in report.keywords:
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):
     limit = session.config.getoption("--unmarked-slow-limit")
-    if limit is None:
+    if limit is None or hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks
         return
     over = sorted(((s, nodeid) for nodeid, s in _unmarked_seconds.items() if s > limit), reverse=True)
     if over:

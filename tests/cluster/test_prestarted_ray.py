@@ -43,11 +43,11 @@ print("STOPPED", head.poll(), f"{time.monotonic() - started:.2f}", flush=True)
 """
 
 
-def _run(*cpus: int, wait: bool = False) -> tuple[dict, str]:
+def _run(*cpus: int, wait: bool = False, tag: str = "") -> tuple[dict, str]:
     """CONNECT with prestart_ray(cpus[0]), `wait_for_prestarted_ray()` if `wait`, and start_ray(None, cpus[1]): its
-    RESULT fields, and all it printed."""
+    RESULT fields, and all it printed. `tag`: see `_raylets`."""
     done = subprocess.run([sys.executable, "-c", CONNECT, *map(str, cpus), *(["wait"] if wait else [])],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=_tagged_env(tag))
     assert done.returncode == 0, done.stderr
     (result,) = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT")]
     session_dir, head, adopted, num_cpus, worker = result
@@ -73,12 +73,24 @@ def _all_gone(session_dir: str, within_s: float = 15.0) -> bool:
     return True
 
 
-def _raylets() -> set[int]:
+TAG = "ROLLFLOW_TEST_TAG"  # set in a test's driver subprocess, inherited by every process of the Ray it starts
+
+
+def _tagged_env(tag: str) -> dict[str, str]:
+    return {**os.environ, TAG: tag}
+
+
+def _raylets(tag: str) -> set[int]:
+    """The live raylets started under a driver run with `_tagged_env(tag)`: this test's, not those of another
+    test process's Ray (pytest-xdist) or of anything else on the machine."""
     found = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if b"raylet" in cmdline.read().split(b"\0")[0] and _start_time(int(entry)) is not None:
+                if b"raylet" not in cmdline.read().split(b"\0")[0] or _start_time(int(entry)) is None:
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if f"{TAG}={tag}".encode() in environ.read().split(b"\0"):
                     found.add(int(entry))
         except OSError:
             continue
@@ -97,16 +109,15 @@ def test_start_ray_connects_to_the_prestarted_head():
 
 
 def test_a_prestarted_head_with_other_cpus_is_ended_and_replaced():
-    raylets = _raylets()
-    result, printed = _run(1, 2, wait=True)  # up and waited for, but not the Ray asked for
+    result, printed = _run(1, 2, wait=True, tag="replaced")  # up and waited for, but not the Ray asked for
     assert "UP True True" in printed.splitlines()
     assert not result["adopted"] and result["num_cpus"] == 2.0  # a Ray of the driver's own, then
     assert _gone(result["head"])  # the prestarted head (by then its Ray's reaper) ended it and itself
     assert _all_gone(result["session_dir"])
     deadline = time.monotonic() + 15
-    while _raylets() - raylets and time.monotonic() < deadline:
+    while _raylets("replaced") and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert not _raylets() - raylets, "the prestarted Ray is still running"
+    assert not _raylets("replaced"), "the prestarted Ray is still running"
 
 
 ABANDON = """
@@ -138,20 +149,28 @@ def _reaper_session(pid: int, within_s: float = 60.0) -> str:
 def test_no_prestarted_process_outlives_its_driver(how):
     """A Ray no pipeline took over ends with `discard_prestarted_ray` (a bad config: while the head may still
     be starting) or with the driver (kill -9 once the head is up)."""
-    raylets = _raylets()
-    driver = subprocess.Popen([sys.executable, "-c", ABANDON, how.split()[0]], stdout=subprocess.PIPE, text=True)
+    tag = how.split()[0]
+    driver = subprocess.Popen([sys.executable, "-c", ABANDON, tag], stdout=subprocess.PIPE, text=True,
+                              env=_tagged_env(tag))
     try:
         head = int(driver.stdout.readline())
         session_dir = _reaper_session(head) if how == "kill -9" else None
         if how == "kill -9":
             assert session_processes(session_dir, exclude={head}), "no Ray started"
+            assert _raylets(tag), "its raylet does not carry the driver's environment: _raylets finds nothing"
             os.kill(driver.pid, signal.SIGKILL)
         else:
             assert driver.stdout.readline().strip() == "discarded"
         assert _gone(head), "the prestarted head is still running"
         if session_dir is not None:
             assert _all_gone(session_dir)
-        assert _raylets() <= raylets  # the prestarted Ray's raylet is gone (a discard: whatever its stage)
+        if how == "kill -9":
+            assert _raylets(tag) == set(), "the prestarted Ray's raylet is still running"
+        else:  # a discard, whatever the head's stage: its raylet, if it got that far, ends soon after
+            deadline = time.monotonic() + 15
+            while _raylets(tag) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert _raylets(tag) == set(), "the prestarted Ray's raylet is still running"
     finally:
         driver.kill()
         driver.wait()

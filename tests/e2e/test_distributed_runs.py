@@ -32,11 +32,9 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
     return placement, _metrics(tmp_path / name)
 
 
-def test_corrupted_weight_transfer_stops_the_run_with_a_clear_error(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "train", "examples/quickstart.yaml", *FAST, "name=corrupt",
-         f"output.dir={tmp_path}", "checks.fault_injection_flip_sync_byte_at=1"],
-        capture_output=True, text=True, timeout=300)
+def test_corrupted_weight_transfer_stops_the_run_with_a_clear_error(tmp_path, cli):
+    result = cli("train", "examples/quickstart.yaml", *FAST, "name=corrupt", f"output.dir={tmp_path}",
+                 "checks.fault_injection_flip_sync_byte_at=1")
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("rollflow: error:")]
     assert len(errors) == 1 and "weight sync checksum mismatch" in errors[0], result.stderr[-3000:]

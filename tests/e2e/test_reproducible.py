@@ -17,7 +17,7 @@ import pytest
 from rollflow.config import load_config
 from rollflow.pipelines.agentic import run_agentic
 from rollflow.pipelines.rlvr import run_rlvr
-from tests.e2e.test_interrupted_runs import _assert_no_ray_left
+from tests.e2e.test_interrupted_runs import _assert_no_ray_left, _ray_sessions
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +99,11 @@ def _kill_9_then_resume(config_path: str, overrides: list[str], run, uninterrupt
     while not checkpoint.exists() and driver.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert checkpoint.exists(), driver.stderr.read() if driver.poll() is not None else "no checkpoint in time"
+    sessions = _ray_sessions(driver.pid)  # the command line's prestarted Ray, named after its head's pid
+    assert sessions, "no Ray process under the driver"
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait(timeout=30)
-    _assert_no_ray_left(driver.pid)  # the reaper took the driver's Ray session down with it
+    _assert_no_ray_left(driver.pid, sessions=sessions)  # the reaper took the driver's Ray session down with it
 
     run(load_config(config_path, [*overrides, "name=killed", f"output.dir={tmp_path}", "resume=true"]),
         manage_ray=False)

@@ -33,16 +33,18 @@ def _until(condition, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def test_a_failed_check_kills_the_starting_workers(ray_session, random_model_dir):
+def test_a_failed_check_kills_the_starting_workers(workers_not_kept, random_model_dir):
+    # new workers (none adopted from the session's kept ones): their constructors import torch and transformers
     before = set(_actors())
     launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=False)
-    assert _until(lambda: set(_actors()) - before, 10), "the launch created no worker"
+    assert _until(lambda: set(_actors()) - before, 60), "the launch created no worker"
     with pytest.raises(ValueError, match="row 3 has no prompt"):
         with launch.cancelled_on_error():
             cancelled = time.perf_counter()
             raise ValueError("row 3 has no prompt")  # what a failed input check raises
-    # at once: not after the constructors (importing torch and transformers takes longer than this anywhere)
-    assert time.perf_counter() - cancelled < 1.5
+    # at once: not after the constructors (importing torch and transformers takes longer than this anywhere,
+    # and a new worker process imports them before its constructor can return)
+    assert time.perf_counter() - cancelled < 5
     assert launch.groups is None
     started = set(_actors()) - before
     assert _until(lambda: all(_actors()[actor] == "DEAD" for actor in started)), _actors()
