@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,9 +166,49 @@ def pytest_addoption(parser):
         help="fail the session if a test not marked `slow` took longer than SECONDS (setup, call and teardown "
              "together): the `not slow` tier stays fast. .ci/run sets 20; left out, nothing is checked "
              "(a loaded machine is no reason for a local run to fail)")
+    parser.addoption(
+        "--cpu-report", default=None, metavar="PATH",
+        help="write each test's wall seconds and the machine's busy CPU seconds meanwhile (every process: Ray's "
+             "workers, subprocesses) to PATH, one JSON line per test, and print the files that used the most "
+             "CPU; run it serially on a quiet machine: it is the whole machine's CPU")
 
 
 _unmarked_seconds: dict[str, float] = {}
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat: every state but idle and iowait)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-report")
+    if path is None:
+        yield
+        return
+    wall, busy = time.perf_counter(), _busy_cpu_seconds()
+    yield
+    with open(path, "a") as report:
+        report.write(json.dumps({"test": item.nodeid, "wall_s": round(time.perf_counter() - wall, 2),
+                                 "cpu_s": round(_busy_cpu_seconds() - busy, 2)}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = config.getoption("--cpu-report")
+    if path is None or not os.path.exists(path):
+        return
+    per_file: dict[str, list[float]] = {}
+    for line in open(path):
+        row = json.loads(line)
+        wall_cpu = per_file.setdefault(row["test"].split("::")[0], [0.0, 0.0])
+        wall_cpu[0] += row["wall_s"]
+        wall_cpu[1] += row["cpu_s"]
+    terminalreporter.write_sep("=", f"busy CPU seconds by file (all of them in {path})")
+    for file, (wall, cpu) in sorted(per_file.items(), key=lambda entry: -entry[1][1])[:30]:
+        terminalreporter.write_line(f"{cpu:8.1f} cpu s {wall:8.1f} wall s  {file}")
 
 
 # Under pytest-xdist (`-n 2 --dist loadgroup`, .ci/run) a group's tests run in one worker process, so the fixtures
