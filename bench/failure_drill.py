@@ -34,6 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollflow.cluster.reaper import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 
 USER_ENVS = '''
@@ -278,29 +280,12 @@ def small_disk(scratch: Path) -> str:
 SETUPS = {"read_only_dir": read_only_dir, "truncated_model": truncated_model, "small_disk": small_disk}
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def kill_env_worker(process: subprocess.Popen, scratch: Path) -> str:
     metrics = scratch / "runs" / "drill" / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            for pid in _descendants(process.pid):
+            for pid in descendants(process.pid):
                 try:
                     title = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
                 except OSError:
@@ -393,7 +378,7 @@ def sigterm_plan(process: subprocess.Popen, scratch: Path) -> str:
     sessions: set[str] = set()
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
-        pids = _descendants(process.pid)
+        pids = descendants(process.pid)
         sessions |= _ray_sessions(pids)
         titles = []
         for pid in pids:
@@ -409,7 +394,7 @@ def sigterm_plan(process: subprocess.Popen, scratch: Path) -> str:
     os.kill(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + 120
     while process.poll() is None and time.monotonic() < deadline:  # the sessions of a Ray started on the way out
-        sessions |= _ray_sessions(_descendants(process.pid))
+        sessions |= _ray_sessions(descendants(process.pid))
         time.sleep(0.2)
     if process.poll() is None:
         return f"still running 120 s after SIGTERM (Ray sessions: {sorted(sessions)})"

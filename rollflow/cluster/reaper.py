@@ -133,6 +133,25 @@ def _writes_under(pid: int, prefix: str) -> bool:
     return False
 
 
+def descendants(root: int) -> list[int]:
+    """The live processes under `root`: its children, theirs, and so on (parent first), from /proc now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
 def _start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot), which tells it from a later one with the same
     pid; None when there is no such live process (a zombie counts as gone)."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollflow.cluster.reaper import _start_time, session_processes
+from rollflow.cluster.reaper import _start_time, descendants, session_processes
 
 DRIVER = """
 import os, time
@@ -123,6 +123,24 @@ def test_a_session_process_is_one_writing_under_the_session_dir(tmp_path):
         for process in (writer, reader):
             process.kill()
             process.wait()
+
+
+def test_descendants_are_the_children_and_theirs():
+    # a child that starts two grandchildren and prints their pids once both run
+    parent = _spawn("import subprocess, time\n"
+                    "kids = [subprocess.Popen(['sleep', '60']) for _ in range(2)]\n"
+                    "print('ready', flush=True)\n"
+                    "print(*(kid.pid for kid in kids), flush=True)\n"
+                    "time.sleep(300)")
+    try:
+        grandchildren = set(map(int, parent.stdout.readline().split()))
+        assert set(descendants(parent.pid)) == grandchildren
+        assert {parent.pid, *grandchildren} <= set(descendants(os.getpid()))
+        assert descendants(max(grandchildren)) == []
+    finally:
+        for pid in (*grandchildren, parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_end_processes_kills_what_ignores_sigterm():

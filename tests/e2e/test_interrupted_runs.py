@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.cluster.reaper import session_processes
+from rollflow.cluster.reaper import descendants, session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -48,24 +48,14 @@ def _ray_sessions(driver_pid: int) -> set[str]:
     """The session directories of the Ray processes running under the driver `driver_pid` now: a Ray that the
     command line prestarted is named after the pid of the process that started its head, a child of the
     driver, so only the driver's process tree tells it (while the driver runs)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry.name))
-    sessions, stack = set(), [driver_pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            stack.append(child)
-            try:
-                arguments = (Path("/proc") / str(child) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            sessions.update(argument.split("=", 1)[1] for argument in arguments
-                            if argument.startswith(("--session-dir=", "--session_dir=")))
+    sessions = set()
+    for child in descendants(driver_pid):
+        try:
+            arguments = (Path("/proc") / str(child) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        sessions.update(argument.split("=", 1)[1] for argument in arguments
+                        if argument.startswith(("--session-dir=", "--session_dir=")))
     return sessions
 
 
