@@ -222,20 +222,19 @@ SHARED_GROUPS = {  # module -> group
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    # The longest groups first (the workers take the next group when done): those with vLLM's runs, then those
+    # with slow tests, then the rest, each in collection order; the last group to finish is then a short one.
+    group_of: dict[str, str] = {}  # test -> its group
+    rank: dict[str, int] = {}  # group -> 0, 1 or 2
     for item in items:
         if item.get_closest_marker("vllm") is not None:  # vLLM starts in ~50 s on CPU: the full tier's
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
-    # The longest groups first (the workers take the next group when done): those with vLLM's runs, then those
-    # with slow tests, then the rest, each in collection order; the last group to finish is then a short one.
-    rank: dict[str, int] = {}
-    for item in items:
-        group = item.get_closest_marker("xdist_group").args[0]
+        module = item.nodeid.split("::")[0]
+        group = group_of[item.nodeid] = SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group))
         item_rank = 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
         rank[group] = min(rank.get(group, 2), item_rank)
-    items.sort(key=lambda item: rank[item.get_closest_marker("xdist_group").args[0]])
+    items.sort(key=lambda item: rank[group_of[item.nodeid]])
 
 
 def pytest_configure(config):
