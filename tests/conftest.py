@@ -97,8 +97,13 @@ def ray_session():
     from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
-    with keep_workers(max_idle=8):  # the session's runs have more shapes than a sweep's
+    with keep_workers(max_idle=8) as pool:  # the session's runs have more shapes than a sweep's
         yield
+        report = os.environ.get("ROLLFLOW_POOL_REPORT")  # a file: how well the session's workers were reused
+        if report:
+            with open(report, "a") as file:
+                file.write(f"{os.getpid()}: {pool.started} workers started, {pool.adopted} adopted, "
+                           f"{len(pool.idle)} idle at the end\n")
     stop_ray()
 
 

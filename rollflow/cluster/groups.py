@@ -4,9 +4,10 @@ Nothing here names a role or a worker class: `spawn_group` is handed the class i
 (`rollflow.workers.roles`) decides which roles a run has, their classes and their start order.
 
 With a device_mapping, one Ray placement group reserves every node's devices (one bundle per node, on
-distinct nodes, `reserve_bundles`) and each worker is scheduled into its node's bundle; rollflow itself
-assigns devices inside the bundle (CPU affinity / CUDA_VISIBLE_DEVICES), so colocated roles can share a
-device. Workers reserve no Ray resources of their own: the placement group holds the devices, the plan says
+distinct nodes, `reserve_bundles`) and each worker is scheduled into its node's bundle (on a cluster of one
+node the bundle only reserves the devices, and the workers are scheduled without it: `WorkerGroups.spawn`);
+rollflow itself assigns devices inside the bundle (CPU affinity / CUDA_VISIBLE_DEVICES), so colocated roles
+can share a device. Workers reserve no Ray resources of their own: the placement group holds the devices, the plan says
 who uses which. Without a device_mapping (the CPU default) there is no placement group: workers reserve 0
 CPUs, time-share the machine and pin their torch threads to their share.
 """
@@ -188,7 +189,7 @@ class WorkerGroup:
 
 def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
                 bundles: PlacementGroup | None = None, *args: Any,
-                timeout_s: float = calls.DEFAULT_WATCHDOG_S) -> WorkerGroup:
+                timeout_s: float = calls.DEFAULT_WATCHDOG_S, keyed_devices: bool = False) -> WorkerGroup:
     """Start one Ray actor of `worker_cls` per placement: `worker_cls(placement, *args)`.
 
     Returns at once; the constructors run in the background (`WorkerGroup.wait_ready` waits for them).
@@ -197,16 +198,20 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
         role: the role name (for messages and metrics).
         worker_cls: the worker class (a plain class; it is wrapped with `ray.remote` here).
         placements: one per worker, from the plan.
-        bundles: the run's placement group (`reserve_bundles`), or None when nothing is placed.
+        bundles: the placement group the workers are scheduled into (`reserve_bundles`), or None: they are
+            scheduled without one (nothing is placed, or the plan's one node is the cluster's only node).
         *args: the rest of each worker's constructor arguments.
         timeout_s: the group's bound on waiting for a result (`cluster.watchdog_s`).
+        keyed_devices: a kept worker serves only a placement with the same local devices (GPUs: a process
+            cannot change the devices it sees once CUDA started); CPU workers re-pin their cores.
     """
     # once per group, not per worker; each call of a worker method is a span of the run's timeline
     remote_class = ray.remote(keeping_start_error(traced(worker_cls,
                                                          lambda placement, *_: f"{role} {placement.index}")))
     pool = worker_pool()
-    # a placement group is the run's own (its actors end with it): only workers placed without one are kept
-    keys = ([(f"{worker_cls.__module__}:{worker_cls.__qualname__}", role, placement.index)
+    # a placement group's actors end with it: only workers scheduled without one are kept
+    keys = ([(f"{worker_cls.__module__}:{worker_cls.__qualname__}", role, placement.index,
+              placement.local_devices if keyed_devices else ())
              for placement in placements] if bundles is None else None)
     handles, rebuilt = [], {}
     for index, placement in enumerate(placements):
@@ -305,11 +310,18 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
         self.bundles = bundles
         self.timeout_s = timeout_s
         self.groups: dict[str, WorkerGroup] = {}
+        # the plan's node is the cluster's only one: workers need not be scheduled into the bundle to land there
+        self.on_one_node = bundles is not None and plan.num_nodes == 1 and _alive_nodes() == 1
 
     def spawn(self, role: str, worker_cls: type, *args: Any) -> WorkerGroup:
-        """`spawn_group` for `role` with the plan's placements; the group joins this mapping."""
-        self.groups[role] = spawn_group(role, worker_cls, self.plan.workers[role], self.bundles, *args,
-                                        timeout_s=self.timeout_s)
+        """`spawn_group` for `role` with the plan's placements; the group joins this mapping.
+
+        On a cluster of one node the placement group only reserves the devices and the workers are scheduled
+        without it (on that node all the same): a process that keeps workers between runs
+        (`rollflow.cluster.pool`) keeps these too, where the placement group's end would take them with it."""
+        self.groups[role] = spawn_group(role, worker_cls, self.plan.workers[role],
+                                        None if self.on_one_node else self.bundles, *args,
+                                        timeout_s=self.timeout_s, keyed_devices=self.plan.device == "gpu")
         return self.groups[role]
 
     def host(self, role: str) -> WorkerGroup:
@@ -395,6 +407,11 @@ def reserve_bundles(plan: PlacementPlan) -> PlacementGroup | None:
             f"could not reserve {plan.num_nodes} node(s) x {plan.devices_per_node} {resource} for the "
             "placement plan within 60 s; free the cluster or lower cluster.num_devices") from None
     return group
+
+
+def _alive_nodes() -> int:
+    """How many nodes the running Ray cluster has."""
+    return sum(1 for node in ray.nodes() if node["Alive"])
 
 
 def _actor_options(bundles: PlacementGroup | None, placement: WorkerPlacement) -> dict[str, Any]:

@@ -9,8 +9,11 @@ killed, and the next run's worker of the same shape (same worker class, role and
 in that process (`rebuild_worker`: its constructor again, on an emptied object) instead of a new process
 starting. What a constructor sets is set again; what the process imported stays imported.
 
-Only workers placed without a placement group are kept (the CPU default and simulated GPUs): a placement
-group is the run's own, and its actors go with it. At most `max_idle` workers wait at a time (each holds a
+Only workers scheduled without a placement group are kept: unplaced ones (the CPU default), simulated GPUs,
+and placed ones on a cluster of one node, where the run's placement group only reserves the devices
+(`WorkerGroups.spawn`). On several nodes the placement group schedules the workers, and they go with it. A kept
+CPU worker is pinned to the cores of its new placement (`rollflow.cluster.runtime.pin_worker`); a GPU worker
+serves only a placement on the same local GPUs (the devices are part of its key). At most `max_idle` workers wait at a time (each holds a
 process with torch imported, ~0.5 GiB); the one idle longest is killed to make room. Ray's end
 (`rollflow.cluster.ray_session.stop_ray`) forgets them all.
 """
@@ -32,6 +35,7 @@ class WorkerPool:
 
     Attributes:
         adopted: how many workers a run took from here instead of starting one.
+        started: how many workers a run started because none here fitted (`missed`).
         parked: how many workers a run left here.
     """
 
@@ -42,15 +46,17 @@ class WorkerPool:
         self.idle: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # ticket -> (key, actor handle)
         self._tickets = 0
         self.adopted = 0
+        self.started = 0
         self.parked = 0
 
     def take(self, key: Hashable) -> Any | None:
-        """An idle worker of `key` (no longer idle), or None."""
+        """An idle worker of `key` (no longer idle), or None (counted in `started`: the caller starts one)."""
         for ticket, (held_key, handle) in self.idle.items():
             if held_key == key:
                 del self.idle[ticket]
                 self.adopted += 1
                 return handle
+        self.started += 1
         return None
 
     def park(self, key: Hashable, handle: Any) -> None:

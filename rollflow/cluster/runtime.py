@@ -12,6 +12,9 @@ import os
 from collections.abc import Iterator
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # what `pin_threads` sets
+# the cores this process was started with, before any `pin_worker`: what a placement's core `d` indexes, and what
+# a worker kept for another run (`rollflow.cluster.pool`) gets back when that run does not place it
+PROCESS_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
 
 def pin_threads(num_cpus: float) -> int:
@@ -58,12 +61,15 @@ def pin_worker(threads: int, local_devices: tuple[int, ...] = (), device: str = 
     A placed CPU worker gets CPU affinity to its slots (core `d` for local device `d`, modulo the cores this
     machine has: simulated nodes on one machine share its cores); a placed GPU worker sees only its GPUs
     (Ray is told not to set CUDA_VISIBLE_DEVICES itself, see `ray_environment.RAY_ENV`). Unplaced workers keep
-    the machine.
+    the cores the process started with (again, when a kept worker was pinned by an earlier run).
     """
-    if local_devices and device == "cpu" and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[d % len(cores)] for d in local_devices})
-    elif local_devices and device == "gpu":
+    if PROCESS_CORES and hasattr(os, "sched_setaffinity"):
+        cores = sorted(PROCESS_CORES)
+        wanted = ({cores[d % len(cores)] for d in local_devices} if local_devices and device == "cpu"
+                  else set(PROCESS_CORES))
+        if wanted != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, wanted)
+    if local_devices and device == "gpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, local_devices))
     return pin_threads(threads)
 

@@ -76,6 +76,8 @@ WORKER_EXTENSION = "rollflow.engines.vllm_engine.VLLMWorkerExtension"  # vLLM re
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache vLLM's CPU backend gets unless engine_kwargs size it
 INSTALL_HINT = ENGINE_PACKAGES["vllm"][1]
+# vLLM's CPU thread binding as the process started (the user's, or None: `cpu_thread_environment` decides)
+USER_THREADS_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 
 # ---- pure conversions (unit-tested without vLLM) ----------------------------------------------------------
@@ -283,8 +285,10 @@ class VLLMEngine:
         if settings.get("kv_cache_memory_bytes") is None:
             check_memory_share(settings.get("gpu_memory_utilization"), *self._memory(), on_cpu=self.on_cpu)
         if self.on_cpu:
-            os.environ.update(cpu_thread_environment(os.sched_getaffinity(0), torch.get_num_threads(),
-                                                     dict(os.environ)))
+            environ = dict(os.environ)
+            if USER_THREADS_BIND is None:  # set by an earlier engine of this process (a kept worker's last run)
+                environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            os.environ.update(cpu_thread_environment(os.sched_getaffinity(0), torch.get_num_threads(), environ))
         self.logprobs_mode = settings["logprobs_mode"]
         self.sleep_level = sleep_level
         args = AsyncEngineArgs(model=resolve_model_path(model_path), dtype=dtype, max_num_seqs=max_batch_size,

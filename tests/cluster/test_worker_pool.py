@@ -42,7 +42,7 @@ def test_the_pool_hands_out_by_key_and_holds_at_most_max_idle(monkeypatch):
     assert killed == ["a"]
     assert pool.take("train") is c and pool.take("train") is None
     assert pool.take("infer") is b
-    assert (pool.adopted, pool.parked) == (2, 3)
+    assert (pool.adopted, pool.started, pool.parked) == (2, 2, 3)
     with pytest.raises(ValueError, match="max_idle"):
         WorkerPool(max_idle=0)
 
@@ -80,3 +80,45 @@ def test_a_run_in_adopted_workers_is_the_run_new_workers_make(ray_session, tmp_p
     for first, adopted_row in zip(a, c, strict=True):
         assert first == adopted_row, {k: (first.get(k), adopted_row.get(k)) for k in first.keys() | adopted_row.keys()
                                       if first.get(k) != adopted_row.get(k)}
+
+
+def test_a_kept_worker_is_pinned_to_its_new_runs_cores_or_given_the_machine_back():
+    """A worker placed on core 1 by one run and adopted by a run that does not place it gets the cores its
+    process started with, not core 1; placed again, core `d` still indexes those cores."""
+    import os
+
+    from rollflow.cluster.runtime import PROCESS_CORES, pin_worker
+
+    if not hasattr(os, "sched_setaffinity") or len(PROCESS_CORES) < 2:
+        pytest.skip("needs CPU affinity and 2 cores")
+    threads = __import__("torch").get_num_threads()
+    cores = sorted(PROCESS_CORES)
+    try:
+        pin_worker(1, (1,), "cpu")
+        assert os.sched_getaffinity(0) == {cores[1]}
+        pin_worker(1, (0,), "cpu")  # indexes the process's cores, not the last run's {cores[1]}
+        assert os.sched_getaffinity(0) == {cores[0]}
+        pin_worker(1, (), "cpu")
+        assert os.sched_getaffinity(0) == set(PROCESS_CORES)
+    finally:
+        os.sched_setaffinity(0, PROCESS_CORES)
+        __import__("torch").set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_the_workers_of_a_placed_run_are_kept_on_a_one_node_cluster(ray_session, tmp_path):
+    """examples/async.yaml places the trainer on core 0 and the engine on core 1; on the session's one node its
+    placement group only reserves the cores, so its two workers are parked, and a run that does not place
+    them adopts both."""
+    pool = worker_pool()
+    pool.clear()
+    parked, adopted = pool.parked, pool.adopted
+    run_rlvr(load_config(str(Path(QUICKSTART).with_name("async.yaml")),
+                         [*RUN, "train.steps=1", "name=placed", f"output.dir={tmp_path}"]), manage_ray=False)
+    assert pool.parked - parked == 2
+    assert not ray.util.placement_group_table() or all(
+        group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())  # released
+    run_rlvr(load_config(QUICKSTART, [*RUN, "train.steps=1", "name=unplaced", f"output.dir={tmp_path}",
+                                      "roles.actor_infer.hybrid=false"]), manage_ray=False)
+    assert pool.adopted - adopted == 2
+    assert _metrics(tmp_path / "unplaced")[-1]["step"] == 1

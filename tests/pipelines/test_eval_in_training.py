@@ -6,8 +6,6 @@ the eval rows stops the run before the first step with one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,13 +25,12 @@ def _eval_rows(tmp_path, with_difficulty: bool = True) -> Path:
     return path
 
 
-def _train(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollflow.cli", "train", str(QUICKSTART), *SMALL, *overrides,
-                           f"output.dir={tmp_path}"], capture_output=True, text=True, timeout=600)
+def _train(cli, tmp_path, *overrides: str):
+    return cli("train", QUICKSTART, *SMALL, *overrides, f"output.dir={tmp_path}")
 
 
-def test_a_run_keeps_every_evals_samples_and_breaks_accuracy_down(tmp_path):
-    result = _train(tmp_path, "train.steps=2", "eval.every_steps=1", "name=grouped",
+def test_a_run_keeps_every_evals_samples_and_breaks_accuracy_down(tmp_path, cli):
+    result = _train(cli, tmp_path, "train.steps=2", "eval.every_steps=1", "name=grouped",
                     f"data.eval.path={_eval_rows(tmp_path)}", "eval.group_by=[difficulty]")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "grouped"
@@ -50,8 +47,8 @@ def test_a_run_keeps_every_evals_samples_and_breaks_accuracy_down(tmp_path):
                    for line in lines), lines[-5:]
 
 
-def test_a_missing_group_by_column_stops_the_run_before_the_first_step(tmp_path):
-    result = _train(tmp_path, "train.steps=2", "name=missing", f"data.eval.path={_eval_rows(tmp_path, False)}",
+def test_a_missing_group_by_column_stops_the_run_before_the_first_step(tmp_path, cli):
+    result = _train(cli, tmp_path, "train.steps=2", "name=missing", f"data.eval.path={_eval_rows(tmp_path, False)}",
                     "eval.group_by=[difficulty]")
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == ("rollflow: error: eval.group_by: row 1 of the eval set has no column "

@@ -6,8 +6,6 @@ the columns in `eval_samples.jsonl`."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -110,10 +108,9 @@ def test_an_eval_writes_its_samples_metrics_and_groups(tmp_path, ray_session, ca
 
 
 @pytest.mark.slow
-def test_the_eval_command_end_to_end(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rollflow.cli", "eval", "--model", "tiny", "--data",
-                             str(_rows(tmp_path)), "eval.group_by=[difficulty]", f"output.dir={tmp_path}/runs"],
-                            capture_output=True, text=True, timeout=300)
+def test_the_eval_command_end_to_end(tmp_path, cli):
+    result = cli("eval", "--model", "tiny", "--data", _rows(tmp_path), "eval.group_by=[difficulty]",
+                 f"output.dir={tmp_path}/runs")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert any(line.startswith("eval/difficulty=hard/accuracy: ") for line in lines)
