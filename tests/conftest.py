@@ -232,7 +232,7 @@ def pytest_collection_modifyitems(config, items):
     group_of: dict[str, str] = {}  # test -> its group
     rank: dict[str, int] = {}  # group -> 0, 1 or 2
     for item in items:
-        if item.get_closest_marker("vllm") is not None:  # vLLM starts in ~50 s on CPU: the full tier's
+        if item.get_closest_marker("vllm") is not None:  # vLLM starts in ~25 s on CPU: the full tier's
             item.add_marker(pytest.mark.slow)
         module = item.nodeid.split("::")[0]
         group = group_of[item.nodeid] = SHARED_GROUPS.get(module, module)

@@ -38,7 +38,7 @@ RUN_ELSEWHERE = {
     "lora": "tests/e2e/test_lora_run.py",
     "llm_judge": "tests/e2e/test_model_rewards.py",
     "async": "tests/e2e/test_async_runs.py",
-    "quickstart_vllm": "tests/e2e/test_vllm_runs.py (vLLM starts in ~50 s)",
+    "quickstart_vllm": "tests/e2e/test_vllm_runs.py (vLLM starts in ~25 s)",
     "lite_ppo": "EXTRA_CASES['lite_ppo-tis'] (same advantage, and the policy loss its recipe uses is ppo)",
 }
 RUN_HERE = [path for path in RECIPES if path.stem not in RUN_ELSEWHERE]

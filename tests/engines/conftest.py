@@ -1,5 +1,5 @@
 """Engine-test fixtures shared by every module here: one vLLM engine per session on the contract model
-(tests/conftest.py; vLLM takes ~50 s to start on CPU)."""
+(tests/conftest.py; vLLM takes ~25 s to start on CPU)."""
 
 from __future__ import annotations
 

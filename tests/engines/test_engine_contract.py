@@ -3,7 +3,7 @@
 
 `hf` runs here on CPU; `vllm` carries the `vllm` marker and runs wherever vLLM is installed (its CPU build
 here, in float32; bfloat16 on a GPU); `sglang` carries the `gpu` marker and skips without CUDA or SGLang.
-Each engine is built once per module (vLLM takes ~50 s to start on CPU).
+Each engine is built once per module (vLLM takes ~25 s to start on CPU).
 """
 
 from __future__ import annotations

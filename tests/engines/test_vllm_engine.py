@@ -129,6 +129,8 @@ def test_cpu_settings_run_eager_with_an_explicit_kv_cache_and_refuse_sleep_mode(
     cpu = engine_settings({}, on_cpu=True)
     assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES and cpu["block_size"] == 32
     assert "enable_sleep_mode" not in cpu and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["distributed_executor_backend"] == "uni"  # the model worker inside the engine-core process
+    assert "distributed_executor_backend" not in engine_settings({"tensor_parallel_size": 2}, on_cpu=True)
     # a RAM share the user chose replaces the default KV size; the user's keys win
     assert "kv_cache_memory_bytes" not in engine_settings({"gpu_memory_utilization": 0.1}, on_cpu=True)
     assert engine_settings({"enforce_eager": False}, on_cpu=True)["enforce_eager"] is False
@@ -136,6 +138,7 @@ def test_cpu_settings_run_eager_with_an_explicit_kv_cache_and_refuse_sleep_mode(
         engine_settings({"enable_sleep_mode": True}, on_cpu=True)
     gpu = engine_settings({}, on_cpu=False)
     assert gpu["enable_sleep_mode"] and "kv_cache_memory_bytes" not in gpu and "enforce_eager" not in gpu
+    assert "distributed_executor_backend" not in gpu
 
 
 def test_a_memory_share_the_machine_cannot_hold_is_one_line():
