@@ -7,8 +7,8 @@ With a device_mapping, one Ray placement group reserves every node's devices (on
 distinct nodes, `reserve_bundles`) and each worker is scheduled into its node's bundle (on a cluster of one
 node the bundle only reserves the devices, and the workers are scheduled without it: `WorkerGroups.spawn`);
 rollflow itself assigns devices inside the bundle (CPU affinity / CUDA_VISIBLE_DEVICES), so colocated roles
-can share a device. Workers reserve no Ray resources of their own: the placement group holds the devices, the plan says
-who uses which. Without a device_mapping (the CPU default) there is no placement group: workers reserve 0
+can share a device. Workers reserve no Ray resources of their own: the placement group holds the devices,
+the plan says who uses which. Without a device_mapping (the CPU default) there is no placement group: workers reserve 0
 CPUs, time-share the machine and pin their torch threads to their share.
 """
 

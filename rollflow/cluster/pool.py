@@ -11,11 +11,11 @@ starting. What a constructor sets is set again; what the process imported stays 
 
 Only workers scheduled without a placement group are kept: unplaced ones (the CPU default), simulated GPUs,
 and placed ones on a cluster of one node, where the run's placement group only reserves the devices
-(`WorkerGroups.spawn`). On several nodes the placement group schedules the workers, and they go with it. A kept
-CPU worker is pinned to the cores of its new placement (`rollflow.cluster.runtime.pin_worker`); a GPU worker
-serves only a placement on the same local GPUs (the devices are part of its key). At most `max_idle` workers wait at a time (each holds a
-process with torch imported, ~0.5 GiB); the one idle longest is killed to make room. Ray's end
-(`rollflow.cluster.ray_session.stop_ray`) forgets them all.
+(`WorkerGroups.spawn`). On several nodes the placement group schedules the workers, and they go with it. A
+kept CPU worker is pinned to the cores of its new placement (`rollflow.cluster.runtime.pin_worker`); a GPU
+worker serves only a placement on the same local GPUs (the devices are part of its key). At most `max_idle`
+workers wait at a time (each holds a process with torch imported, ~0.5 GiB); the one idle longest is killed
+to make room. Ray's end (`rollflow.cluster.ray_session.stop_ray`) forgets them all.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class WorkerPool:
 
     Attributes:
         adopted: how many workers a run took from here instead of starting one.
-        started: how many workers a run started because none here fitted (`missed`).
+        started: how many workers a run started because none here fitted.
         parked: how many workers a run left here.
     """
 
