@@ -221,7 +221,7 @@ def pytest_terminal_summary(terminalreporter, config):
 # session fixture costlier than a module's share of the run.
 SHARED_GROUPS = {  # module -> group
     "tests/engines/test_engine_contract.py": "vllm-engine",  # vllm_cpu_engine (tests/engines/conftest.py): vLLM
-    "tests/engines/test_vllm_engine.py": "vllm-engine",  # starts in ~30 s
+    "tests/engines/test_vllm_engine.py": "vllm-engine",  # starts in ~25 s
 }
 
 

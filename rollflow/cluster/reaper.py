@@ -137,13 +137,8 @@ def descendants(root: int) -> list[int]:
     """The live processes under `root`: its children, theirs, and so on (parent first), from /proc now."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) is not None:  # None: gone meanwhile
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, stack = [], [root]
     while stack:
         for child in children.get(stack.pop(), []):
@@ -152,15 +147,21 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent pid, ...; field N of proc(5) is
+    item N - 3), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot), which tells it from a later one with the same
     pid; None when there is no such live process (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    fields = _stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _signal(pid: int, number: int) -> None:
