@@ -25,7 +25,7 @@ def _train(args: argparse.Namespace) -> int:
     """Run the pipeline the config names (`pipeline:`, default rlvr) through `rollflow.pipelines.PIPELINES`."""
     from rollflow.config import dump_config, load_config
     from rollflow.errors import RollflowError, WorkerDiedError
-    from rollflow.pipelines import PIPELINES
+    from rollflow.pipelines import PIPELINES, run
 
     overrides = args.overrides
     if args.pipeline is not None:  # `rollflow sft CFG`: the config may leave `pipeline` out, or must say sft
@@ -49,7 +49,7 @@ def _train(args: argparse.Namespace) -> int:
         print(describe_plan(config, pipeline.roles_of(config)))
         return 0
     try:
-        final = pipeline.runner()(config)
+        final = run(config)
     except RollflowError as err:
         if isinstance(err, WorkerDiedError):
             err.args = (f"{err}; {_checkpoint_note(config.run_dir)}",)

@@ -1,15 +1,24 @@
 """Name -> implementation registries (losses, advantages, engines, backends, envs, rewards).
 
-Plain Python that imports only `rollflow.errors` from the rest of rollflow, so every folder may use it.
+Plain Python that imports only `rollflow.errors` from the rest of rollflow, so every folder may use it. The one
+exception runs only when called, for the docs: `find_registries` imports the package's modules by name to map
+every registry, and `python -m rollflow.registry docs/architecture.md` rewrites the doc's table of them
+(`render_registry_table`; `tests/docs/test_architecture_map.py` checks that the committed table is the one
+rendered).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import os
+import pkgutil
+import re
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Generic, TypeVar
 
@@ -139,3 +148,146 @@ def _one_line(err: BaseException) -> str:
     text = err.msg if isinstance(err, SyntaxError) and err.msg else str(err)
     lines = text.strip().splitlines()
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The map of every registry (docs/architecture.md).
+
+REGENERATE = "python -m rollflow.registry docs/architecture.md"
+TABLE_START = f"<!-- Generated from the registries by `{REGENERATE}`; edit the registries, not this table. -->"
+TABLE_END = "<!-- End of the generated registry table. -->"
+# What a module's source says when it makes a registry or registers a name in one; modules that say neither
+# are not imported (most of the package's import time is theirs: transformers' models, Ray).
+_MAKES_OR_FILLS = re.compile(r"=\s*Registry\b|\.register\(")
+
+
+@dataclass(frozen=True)
+class FoundRegistry:
+    """A module-level `Registry` and where it is made.
+
+    Attributes:
+        name: the variable that holds it (`ENVS`).
+        module: the module that assigns it from `Registry(...)` (`rollflow.envs.base`); modules that import it
+            from there are not named.
+        registry: the registry, with every name the package's modules register.
+    """
+
+    name: str
+    module: str
+    registry: Registry
+
+
+def find_registries(package: str = "rollflow") -> list[FoundRegistry]:
+    """Every module-level `Registry` of `package`, once each, under the module that makes it.
+
+    Walks the package's modules with `pkgutil` (reading their files, importing no package for the walk) and
+    imports those whose source makes a registry (`X = Registry(...)`) or registers a name in one
+    (`.register(`): a registry holds a name once the module that registers it is imported.
+    A module that needs a package not installed (vllm, sglang, gem, mcp) is skipped; the names it would
+    register are then missing from its registry.
+
+    Returns:
+        Sorted by module, then name.
+
+    Raises:
+        ImportError: a module of `package` itself is missing (a broken tree, not an optional package).
+        ValueError: a registry whose making no module's source shows as `NAME = Registry(...)`.
+    """
+    sources = {name: path.read_text(encoding="utf-8") for name, path in _module_files(package)}
+    modules = []
+    for name in sorted(sources):
+        if not _MAKES_OR_FILLS.search(sources[name]):
+            continue
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as err:
+            if err.name and err.name.partition(".")[0] == package:
+                raise
+    found: dict[int, FoundRegistry] = {}
+    held: dict[int, str] = {}  # every registry a module holds -> the first `module.NAME` seen holding it
+    for module in modules:
+        for attribute, value in vars(module).items():
+            if not isinstance(value, Registry):
+                continue
+            held.setdefault(id(value), f"{module.__name__}.{attribute}")
+            made_here = rf"^{re.escape(attribute)}\s*(:[^=\n]*)?=\s*Registry\b"
+            if re.search(made_here, sources[module.__name__], re.MULTILINE):
+                found.setdefault(id(value), FoundRegistry(attribute, module.__name__, value))
+    unplaced = sorted(where for key, where in held.items() if key not in found)
+    if unplaced:
+        raise ValueError(f"registries whose module does not make them as `NAME = Registry(...)`: {unplaced}")
+    return sorted(found.values(), key=lambda entry: (entry.module, entry.name))
+
+
+def _module_files(package: str) -> list[tuple[str, Path]]:
+    """(`a.b.c`, its .py file) for `package` and every module under it, found without importing any."""
+    root = Path(importlib.util.find_spec(package).origin).parent
+    files = [(package, root / "__init__.py")]
+    pending = [(root, package)]
+    while pending:
+        directory, prefix = pending.pop()
+        for info in pkgutil.iter_modules([str(directory)], prefix + "."):
+            leaf = info.name.rpartition(".")[2]
+            if info.ispkg:
+                files.append((info.name, directory / leaf / "__init__.py"))
+                pending.append((directory / leaf, info.name))
+            else:
+                files.append((info.name, directory / f"{leaf}.py"))
+    return files
+
+
+def render_registry_table(registries: list[FoundRegistry] | None = None) -> str:
+    """The Markdown table of every registry: its name, module, what it holds (its `kind`) and its names.
+
+    Args:
+        registries: what to list; default `find_registries()`.
+
+    Returns:
+        The table, one row per registry, ending in a newline.
+    """
+    registries = find_registries() if registries is None else registries
+    rows = ["| registry | module | holds | names |", "|---|---|---|---|"]
+    for entry in registries:
+        names = ", ".join(f"`{name}`" for name in entry.registry.names()).replace("|", "\\|")
+        rows.append(f"| `{entry.name}` | `{entry.module}` | {entry.registry.kind} | {names} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_registry_table(markdown: str, table: str) -> str:
+    """`markdown` with what lies between `TABLE_START` and `TABLE_END` replaced by `table`.
+
+    Raises:
+        ValueError: either marker missing, or out of order.
+    """
+    start, end = markdown.find(TABLE_START), markdown.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {TABLE_START!r} ... {TABLE_END!r} block to put the registry table in")
+    return markdown[:start + len(TABLE_START)] + "\n\n" + table + "\n" + markdown[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the registry table in the file given (docs/architecture.md), or print the table when none is."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1:
+        print(f"usage: {REGENERATE.replace('docs/architecture.md', '[PATH]')}", file=sys.stderr)
+        return 2
+    table = render_registry_table()
+    if not argv:
+        sys.stdout.write(table)
+        return 0
+    path = Path(argv[0])
+    try:
+        text = with_registry_table(path.read_text(encoding="utf-8"), table)
+    except ValueError as err:
+        print(f"{path}: {err}", file=sys.stderr)
+        return 2
+    path.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    # `python -m` runs this file as `__main__`, whose `Registry` is not the class the package's registries are
+    # made of: run the imported module's `main`.
+    from rollflow.registry import main as registry_main
+
+    sys.exit(registry_main())

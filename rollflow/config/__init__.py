@@ -8,7 +8,8 @@ which numbers to change. `sections` holds what every pipeline shares, `rlvr` the
 
 from rollflow.config.loading import (
     DEFAULT_PIPELINE,
-    PIPELINE_CONFIGS,
+    PIPELINES,
+    Pipeline,
     RunConfig,
     apply_overrides,
     build_config,
@@ -56,7 +57,8 @@ from rollflow.config.supervised import (
 __all__ = [
     "BUNDLED_MODEL",
     "DEFAULT_PIPELINE",
-    "PIPELINE_CONFIGS",
+    "PIPELINES",
+    "Pipeline",
     "ActorInferConfig",
     "ActorTrainConfig",
     "AlgorithmConfig",

@@ -1,7 +1,7 @@
 """Loading a run config: YAML file + `a.b=c` overrides, validated against the pipeline it names.
 
 `RunConfig` is a union of the pipelines' config models, discriminated by the `pipeline` key (default
-`rlvr`); `PIPELINE_CONFIGS` maps each pipeline name to its model. Unknown keys are errors that name the key
+`rlvr`); `PIPELINES` holds each pipeline, in one entry: its config model and its step class. Unknown keys are errors that name the key
 and suggest the nearest valid one; a key given twice in one mapping is an error too (YAML would silently keep
 the second: a repeated `train:` block would reset `steps`).
 """
@@ -12,6 +12,7 @@ import copy
 import difflib
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -23,20 +24,43 @@ from rollflow.config.rlvr import RLVRConfig
 from rollflow.config.sections import RunConfigBase
 from rollflow.config.supervised import DistillConfig, DPOConfig, SFTConfig
 from rollflow.errors import ConfigError
-from rollflow.registry import Registry
+from rollflow.registry import Registry, import_object
 
 DEFAULT_PIPELINE = "rlvr"
 
-# pipeline name -> its run config model; a new pipeline registers its model here (and its driver in
-# `rollflow.pipelines.PIPELINES`).
-PIPELINE_CONFIGS: Registry[type[RunConfigBase]] = Registry("pipeline")
-PIPELINE_CONFIGS.register("rlvr")(RLVRConfig)
-PIPELINE_CONFIGS.register("sft")(SFTConfig)
-PIPELINE_CONFIGS.register("dpo")(DPOConfig)
-PIPELINE_CONFIGS.register("distill")(DistillConfig)
-PIPELINE_CONFIGS.register("agentic")(AgenticConfig)
 
-RunConfig = Annotated[Union[tuple(PIPELINE_CONFIGS[name] for name in PIPELINE_CONFIGS)],  # noqa: UP007
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One pipeline: all that is registered of it.
+
+    Attributes:
+        config: its run config model (a `RunConfigBase` with `pipeline: Literal[<name>]`).
+        step: `"module:Class"`, its step class (`rollflow.pipelines.loop.PipelineStep`), built from a config;
+            imported on first use, so loading a config needs no torch.
+    """
+
+    config: type[RunConfigBase]
+    step: str
+
+    def step_class(self) -> type:
+        return import_object(self.step)
+
+    def roles_of(self, config: RunConfigBase) -> list[str]:
+        """The roles a run of `config` starts, in start order."""
+        return self.step_class()(config).roles()
+
+
+# Every pipeline, by the name its configs give as `pipeline:`; a new one is one config model, one step class
+# and one entry here. `rollflow.pipelines.run` runs a config through its pipeline's step.
+PIPELINES: Registry[Pipeline] = Registry("pipeline")
+PIPELINES.register("rlvr")(Pipeline(RLVRConfig, "rollflow.pipelines.rlvr:RLVRStep"))
+PIPELINES.register("sft")(Pipeline(SFTConfig, "rollflow.pipelines.supervised:SFTStep"))
+PIPELINES.register("dpo")(Pipeline(DPOConfig, "rollflow.pipelines.supervised:DPOStep"))
+PIPELINES.register("distill")(Pipeline(DistillConfig, "rollflow.pipelines.supervised:DistillStep"))
+PIPELINES.register("agentic")(Pipeline(AgenticConfig, "rollflow.pipelines.agentic:AgenticStep"))
+
+RunConfig = Annotated[Union[tuple(PIPELINES[name].config for name in PIPELINES)],  # noqa: UP007
                       Field(discriminator="pipeline")]
 
 
@@ -90,9 +114,9 @@ def parse_yaml(text: str) -> Any:
 
 def config_model(pipeline: object) -> type[RunConfigBase]:
     """The config model of `pipeline` (a name); raises `ConfigError` naming the valid pipelines."""
-    if not isinstance(pipeline, str) or pipeline not in PIPELINE_CONFIGS:
-        raise ConfigError(f"pipeline: {PIPELINE_CONFIGS.unknown_message(str(pipeline))}")
-    return PIPELINE_CONFIGS[pipeline]
+    if not isinstance(pipeline, str) or pipeline not in PIPELINES:
+        raise ConfigError(f"pipeline: {PIPELINES.unknown_message(str(pipeline))}")
+    return PIPELINES[pipeline].config
 
 
 # One key of an override path: a name, then any `[N]` list indices (`functions[0]`, `matrix[1][2]`).

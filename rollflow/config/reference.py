@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from rollflow.config.loading import DEFAULT_PIPELINE, PIPELINE_CONFIGS
+from rollflow.config.loading import DEFAULT_PIPELINE, PIPELINES
 from rollflow.config.sections import RunConfigBase
 
 REGENERATE = "python -m rollflow.config.reference docs/config.md"
@@ -70,15 +70,15 @@ class Row(NamedTuple):
 
 
 def render_config_reference() -> str:
-    """The whole docs/config.md, generated from `PIPELINE_CONFIGS` and the field descriptions.
+    """The whole docs/config.md, generated from `PIPELINES`' config models and the field descriptions.
 
     Returns:
         Markdown text ending in one newline; the same for the same schema.
     """
     parts = [INTRODUCTION, _pipelines_table(), "## Keys every pipeline has"]
     parts += _sections(RunConfigBase, _shared_fields(), shared=True)
-    for name in PIPELINE_CONFIGS:
-        model = PIPELINE_CONFIGS[name]
+    for name in PIPELINES:
+        model = PIPELINES[name].config
         parts.append(f"## Pipeline `{name}`\n\n{_summary(model)}")
         parts += _sections(model, _own_fields(model), shared=False)
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"
@@ -89,7 +89,7 @@ def _shared_fields() -> list[str]:
     like the supervised pipelines' `data`, is listed under each pipeline instead)."""
     base = RunConfigBase.model_fields
     return [name for name, field in base.items() if name == "pipeline"
-            or all(PIPELINE_CONFIGS[p].model_fields[name].annotation == field.annotation for p in PIPELINE_CONFIGS)]
+            or all(PIPELINES[p].config.model_fields[name].annotation == field.annotation for p in PIPELINES)]
 
 
 def _own_fields(model: type[RunConfigBase]) -> list[str]:
@@ -100,8 +100,8 @@ def _own_fields(model: type[RunConfigBase]) -> list[str]:
 
 def _pipelines_table() -> str:
     lines = ["## Pipelines", "", "| `pipeline` | what it runs | its own sections |", "|---|---|---|"]
-    for name in PIPELINE_CONFIGS:
-        model = PIPELINE_CONFIGS[name]
+    for name in PIPELINES:
+        model = PIPELINES[name].config
         label = f"`{name}` (default)" if name == DEFAULT_PIPELINE else f"`{name}`"
         own = ", ".join(f"`{field}`" for field in _own_fields(model)) or "none"
         lines.append(f"| {label} | {_cell(_summary(model))} | {own} |")
@@ -122,7 +122,7 @@ def _sections(model: type[BaseModel], names: list[str], shared: bool) -> list[st
         if _is_section(field.annotation):
             continue
         if shared and name == "pipeline":
-            pipelines = " | ".join(json.dumps(pipeline) for pipeline in PIPELINE_CONFIGS)
+            pipelines = " | ".join(json.dumps(pipeline) for pipeline in PIPELINES)
             top_rows.append(Row(name, pipelines, DEFAULT_PIPELINE, field.description or ""))
         else:
             top_rows += _rows(name, field, _default(field))

@@ -1,49 +1,27 @@
-"""The pipelines and `PIPELINES`: what `rollflow train` dispatches through.
+"""The pipelines: what `rollflow train` dispatches through `PIPELINES` (`rollflow.config.PIPELINES`).
 
 One driver frame (`rollflow.pipelines.loop.run_pipeline`) runs every pipeline; a pipeline is a step object
-(`loop.PipelineStep`: `RLVRStep`, `AgenticStep`, `SFTStep` / `DPOStep` / `DistillStep`) and a run function
-that hands it to the frame. Each entry names the pipeline's config model (`rollflow.config.PIPELINE_CONFIGS`
-holds the same one), the roles a run of it needs (a function of its config) and its run function (imported on
-first use, so the CLI stays light). A new pipeline is one config model, one step class with its run function,
-and one entry here.
+(`loop.PipelineStep`): `RLVRStep` and `AgenticStep`, both the shared RL step (`rl_step.RLStep`), and
+`SFTStep` / `DPOStep` / `DistillStep`. A new pipeline is one config model, one step class and one entry in
+`PIPELINES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from rollflow.config.loading import PIPELINES, Pipeline, RunConfigBase
 
-from rollflow.config import PIPELINE_CONFIGS, RunConfigBase
-from rollflow.registry import Registry, import_object
+__all__ = ["PIPELINES", "Pipeline", "run"]
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """One pipeline.
+def run(config: RunConfigBase, manage_ray: bool = True) -> dict[str, float]:
+    """Run `config` through its pipeline's step in the driver frame (`loop.run_pipeline`). Returns the final
+    metrics (the first eval's under `initial_`).
 
-    Attributes:
-        config: its run config model (a `RunConfigBase` with `pipeline: Literal[<name>]`).
-        roles: `"module:function"`, `config -> [role, ...]`: the roles a run starts, in start order.
-        run: `"module:function"`, `run(config, manage_ray=True) -> final metrics`.
+    Args:
+        config: a run config (`rollflow.config.load_config`).
+        manage_ray: start Ray (per `config.cluster`) and shut it down at the end. False runs in the caller's
+            Ray session and leaves it up.
     """
+    from rollflow.pipelines.loop import run_pipeline  # torch and the workers: only once a run starts
 
-    config: type[RunConfigBase]
-    roles: str
-    run: str
-
-    def roles_of(self, config: RunConfigBase) -> list[str]:
-        return import_object(self.roles)(config)
-
-    def runner(self) -> Callable[..., dict[str, Any]]:
-        return import_object(self.run)
-
-
-PIPELINES: Registry[Pipeline] = Registry("pipeline")
-PIPELINES.register("rlvr")(Pipeline(PIPELINE_CONFIGS["rlvr"], "rollflow.pipelines.rlvr:rlvr_roles",
-                                    "rollflow.pipelines.rlvr:run_rlvr"))
-for _name in ("sft", "dpo", "distill"):  # one driver, three objectives (rollflow.pipelines.supervised)
-    PIPELINES.register(_name)(Pipeline(PIPELINE_CONFIGS[_name], "rollflow.pipelines.supervised:supervised_roles",
-                                       "rollflow.pipelines.supervised:run_supervised"))
-PIPELINES.register("agentic")(Pipeline(PIPELINE_CONFIGS["agentic"], "rollflow.pipelines.agentic:agentic_roles",
-                                       "rollflow.pipelines.agentic:run_agentic"))
+    return run_pipeline(PIPELINES.get(config.pipeline).step_class()(config), manage_ray)

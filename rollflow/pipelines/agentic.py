@@ -9,21 +9,19 @@ episode per held-out seed and reports `eval/success`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import Sample, SampleStatus, collate
+from rollflow.data.sample import Batch, Sample, SampleStatus
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
+from rollflow.inputs.prompt_sets import check_no_vision_critic, run_context_length, vision_processor
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.loop import Progress, run_pipeline
-from rollflow.pipelines.phases import reference_logprobs, sync_weights
-from rollflow.pipelines.preflight import check_no_vision_critic, run_context_length, vision_processor
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.pipelines.rl_step import RLStep, StepSamples
+from rollflow.rollout.core import RolloutCore, RolloutResult, core_settings
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource, turns_that_fit
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import (
@@ -37,15 +35,6 @@ from rollflow.rollout.filters import usable
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
 from rollflow.trackers.trackers import AGENTIC_COLUMNS
-
-PHASES: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_infer", "env"),
-    "reference": ("reference",),
-    "old_logprobs": ("actor_train",),  # the LoRA reference: actor_train with its adapters off
-    "actor_train": ("actor_train",),
-    "weight_sync": ("actor_train", "actor_infer"),
-    "checkpoint": ("actor_train",),
-}
 
 
 def agentic_roles(config: AgenticConfig) -> list[str]:
@@ -67,43 +56,24 @@ def run_agentic(config: AgenticConfig, manage_ray: bool = True) -> dict[str, flo
     return run_pipeline(AgenticStep(config), manage_ray)
 
 
-@dataclass
-class Played:
-    """A step's rollout: the samples it trains on, and those of failed episodes made readable for the log."""
+class AgenticStep(RLStep):
+    """An agentic step: the shared RL step (`rollflow.pipelines.rl_step.RLStep`) over env groups (episodes played
+    against env workers), with advantages per episode or per turn (`EpisodeAdvantages`) and greedy eval on
+    held-out seeds."""
 
-    samples: list[Sample]
-    failed_logged: list[Sample]
-
-
-class AgenticStep:
-    """An agentic step (`rollflow.pipelines.loop.PipelineStep`): the rollout core's next env groups, their
-    samples' advantages, the actor update and the weight sync. The core is touched in `start`, `load`,
-    `rollout`, `evaluate`, `state` and `close`, one line each."""
-
-    objective = "policy_gradient"
-    phases = PHASES
     columns = AGENTIC_COLUMNS
     plot_keys = ("rollout/return", "rollout/success", "eval/success")
 
     def __init__(self, config: AgenticConfig):
-        self.config = config
-        self.core = None
-        self.version = 0  # of the weights the engines hold
+        super().__init__(config)
         self.errors = EpisodeErrorWarnings()
         rollout = config.rollout
         self.sampling = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.greedy = SamplingParams(rollout.max_new_tokens, temperature=0.0)
         self.eval_seeds = list(range(config.eval.seed_start, config.eval.seed_start + config.eval.episodes))
-        self.sync_args = (int(config.cluster.weight_sync_bucket_mb * 2**20), config.checks.weight_checksum)
 
     def roles(self) -> list[str]:
         return agentic_roles(self.config)
-
-    def role_args(self) -> dict[str, tuple]:
-        return {"actor_train": (self.objective,)}
-
-    def launches_before_inputs(self) -> bool:
-        return True
 
     def check_inputs(self, roles: list[str]) -> list[str]:
         """The model's files (a missing or cut-short weights file is named here, not by a worker), its
@@ -119,14 +89,17 @@ class AgenticStep:
         check_system_prompt_fits(self.encoder, self.settings, self.sampling.max_new_tokens)
         return []
 
-    def start_lines(self) -> list[str]:
-        return []
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
 
-    def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
+    def build_advantages(self) -> EpisodeAdvantages:
+        return EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
+
+    def build_core(self, groups: WorkerGroups) -> RolloutCore:
         """One env made and reset (`check_envs`) before anything is played, its tools (if any) rendered into the
         first prompt, its first turn checked against the context (`check_turn_budget`); then the rollout core
         over env groups."""
-        self.groups, self.colocation = groups, colocation
         tools, first_observations = check_envs(groups["env"], self.config)
         if tools:  # the env's tools go into the first prompt, by the chat template
             self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, tools, self.processor)
@@ -134,33 +107,24 @@ class AgenticStep:
                                           self.sampling.max_new_tokens)
         warn(lines)
         self.context_warning = ContextLimitWarning(budget)
-        self.core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
-                                self.settings, self.sampling)
-        self.eval_program = self.core.program.for_eval(self.greedy)
-        self.advantages = EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
+        core = env_rollout(self.config, groups["actor_infer"].handles, groups["env"].handles, self.encoder,
+                           self.settings, self.sampling)
+        self.eval_program = core.program.for_eval(self.greedy)
+        return core
 
-    def load(self, checkpoint: Path, state: dict) -> str:
-        self.groups["actor_train"].call("load", str(checkpoint / "model"), state["step"])
-        self.core.load_state(rollout_state(state["rollout"]))
-        self.version = sync_weights(self.groups, self.colocation, *self.sync_args)["sync/version"]
-        return ""
+    def compute_advantages(self, batch: Batch, samples: list[Sample]) -> dict[str, float]:
+        return self.advantages(batch, samples)
 
     def evaluate(self, step: int) -> dict[str, float]:
         return evaluate(self.core, self.eval_program, self.colocation, self.eval_seeds, f"eval at step {step}",
                         self.errors, self.context_warning)
 
-    def state(self, step: int, initial_eval: dict) -> dict:
-        return {"step": step, "rollout": self.core.state(), "initial_eval": initial_eval}
-
-    def rollout(self, step: int) -> tuple[Played, dict[str, float]]:
-        """The step's groups of episodes, as samples.
+    def checked(self, step: int, result: RolloutResult) -> tuple[StepSamples, dict[str, float]]:
+        """The step's episodes as samples; the failed episodes' samples made readable for the log.
 
         Raises:
             StepFailedError: no group finished (the failed episodes' samples are logged first: why).
         """
-        self.colocation.enter("rollout")
-        with span("rollout"):
-            result = self.core.next_batch(step, self.version)
         logged = self.config.output.samples_logged_per_step
         failed = [s for s in result.samples if s.status == SampleStatus.FAILED]
         failed_logged = readable(failed[:logged], self.tokenizer)  # why, for the log
@@ -171,41 +135,19 @@ class AgenticStep:
             raise no_episodes_error(f"step {step}", failed, len(played), self.config.rollout.group_size)
         warn(self.errors.lines(f"step {step}", failed))
         warn(self.context_warning.lines(f"step {step}", samples))
-        return Played(samples, failed_logged), {**result.metrics, **episode_metrics(samples, "rollout", failed)}
+        work = StepSamples(samples, readable(samples[:logged], self.tokenizer) + failed_logged)
+        return work, {**result.metrics, **episode_metrics(samples, "rollout", failed)}
 
-    def train(self, step: int, work: Played) -> dict[str, float]:
-        """The samples' advantages, the actor update and the weight sync."""
-        batch = collate(work.samples, self.tokenizer.pad_token_id)
-        with span("advantages"):
-            metrics = self.advantages(batch, work.samples)
-        metrics.update(train_on(batch, self.groups, self.colocation, self.config))
-        metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args))
-        self.version = int(metrics["sync/version"])
-        metrics["train/samples"] = float(len(work.samples))
+    def train(self, step: int, work: StepSamples) -> dict[str, float]:
+        metrics = super().train(step, work)
+        metrics["train/samples"] = float(len(work.usable))
         return metrics
-
-    def position(self, step: int) -> dict[str, float]:
-        return {}
-
-    def stop_reason(self, metrics: dict[str, float]) -> str:
-        return ""
-
-    def logged_samples(self, work: Played) -> list[Sample]:
-        return readable(work.samples[: self.config.output.samples_logged_per_step], self.tokenizer) \
-            + work.failed_logged
-
-    def after_run(self, progress: Progress) -> dict[str, float]:
-        return {}
 
     def summary_lines(self, final: dict[str, float], progress: Progress) -> list[str]:
         if "eval/success" not in final or "initial_eval/success" not in final:
             return []
         return [f"eval success: {final['initial_eval/success']:.3f} at start -> "
                 f"{final['eval/success']:.3f} after {self.config.train.steps} steps"]
-
-    def close(self) -> None:
-        if self.core is not None:
-            self.core.close()
 
 
 def episode_settings(config: AgenticConfig, model_context: int | None) -> EpisodeSettings:
@@ -292,33 +234,9 @@ def env_rollout(config: AgenticConfig, engines: list, env_workers: list, encoder
                 settings: EpisodeSettings, sampling: SamplingParams) -> RolloutCore:
     """The run's rollout core playing env groups: training seeds drawn below `eval.seed_start`, the group
     policy per `rollout.*`."""
-    rollout = config.rollout
-    core_settings = CoreSettings(
-        rollout.groups_per_step,
-        max_staleness=min(rollout.max_staleness, config.train.steps),  # none can be older than the run is long
-        max_refill_groups=rollout.refill_bound, overprovision=rollout.overprovision,
-        long_round_every=rollout.long_round_every, deterministic=rollout.deterministic, lockstep=rollout.lockstep,
-        seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
-        watchdog_s=config.cluster.watchdog_s)
     program = EnvGroups(env_workers, encoder, settings, sampling)
-    return RolloutCore(engines, program, SeedSource(config.seed, max(config.eval.seed_start, 1)), core_settings)
-
-
-def rollout_state(state: dict) -> dict:
-    """A checkpoint's rollout state; one written before the rollout core (`{"next_group": N}`) as the core's."""
-    if "next_group" not in state:
-        return state
-    return {"sampler": {"next": state["next_group"]}, "next_index": state["next_group"], "pending": []}
-
-
-def train_on(batch, groups, colocation: ColocationManager, config: AgenticConfig) -> dict[str, float]:
-    """Reference logprobs when a KL term needs them, then the actor update."""
-    actor = groups["actor_train"]
-    if config.algorithm.needs_reference:
-        batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation, config.roles.reference.backend)
-    colocation.enter("actor_train")
-    with span("actor_train"):
-        return actor.call("train", batch)
+    return RolloutCore(engines, program, SeedSource(config.seed, max(config.eval.seed_start, 1)),
+                       core_settings(config))
 
 
 def readable(samples: list, tokenizer) -> list:

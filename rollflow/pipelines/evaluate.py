@@ -20,8 +20,8 @@ from rollflow.data.tables import JSON_SUFFIXES, PARQUET_SUFFIXES
 from rollflow.engines import check_engine_installed
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
+from rollflow.inputs.prompt_sets import load_prompt_sets
 from rollflow.pipelines.phases import check_group_by, eval_group_metrics, prompt_rollout
-from rollflow.pipelines.preflight import check_inputs
 from rollflow.pipelines.run_directory import check_run_dir_writable, prepare_run_dir
 from rollflow.rollout.filters import check_some_succeeded, failure_warning
 from rollflow.rollout.metrics import rollout_metrics
@@ -51,7 +51,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     check_run_dir_writable(config)  # where the samples go, before anything starts
     rewards = model_rewards(config.reward)
     roles = ["actor_infer", "reward"] if rewards else ["actor_infer"]
-    inputs = check_inputs(config, roles, train=False)
+    inputs = load_prompt_sets(config, roles, train=False)
     tokenizer, prompts = inputs.tokenizer, inputs.eval_prompts
     check_group_by(prompts, config.eval.group_by)
     for warning in inputs.warnings:

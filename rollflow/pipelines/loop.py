@@ -49,6 +49,8 @@ class PipelineStep(Protocol):
     `role_args`, `launches_before_inputs`, `check_inputs`, `start_lines`, `start`, `load` or `evaluate(0)`,
     `state`, then per step `rollout`, `train`, `position`, `evaluate` and `stop_reason` (eval steps),
     `logged_samples`, `state`; at the end `after_run`, `summary_lines`, and `close` (always, once `start` ran).
+    The optional hooks (`role_args`, `launches_before_inputs`, `start_lines`, `position`, `stop_reason`,
+    `logged_samples`, `after_run`, `summary_lines`, `close`) have defaults in `StepDefaults`.
 
     Attributes:
         config: the run config; `check_inputs` may replace it (supervised `train.epochs` becomes steps).
@@ -113,6 +115,40 @@ class PipelineStep(Protocol):
 
     def close(self) -> None:
         """Stop what `start` built (the rollout's threads)."""
+
+
+class StepDefaults:
+    """The optional hooks of `PipelineStep`, with what a step that does not need them wants: no worker
+    arguments, workers started while the inputs are checked, no start lines, no data position, never an early
+    stop, no samples logged, nothing after the run, no summary lines, nothing to close. A step class inherits
+    these and writes only the hooks it needs."""
+
+    def role_args(self) -> dict[str, tuple]:
+        return {}
+
+    def launches_before_inputs(self) -> bool:
+        return True
+
+    def start_lines(self) -> list[str]:
+        return []
+
+    def position(self, step: int) -> dict[str, float]:
+        return {}
+
+    def stop_reason(self, metrics: dict[str, float]) -> str:
+        return ""
+
+    def logged_samples(self, work: Any) -> list | None:
+        return None
+
+    def after_run(self, progress: Progress) -> dict[str, float]:
+        return {}
+
+    def summary_lines(self, final: dict[str, float], progress: Progress) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
 
 
 @dataclass

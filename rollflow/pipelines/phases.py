@@ -19,7 +19,7 @@ from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import Sample
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.rollout.core import CoreSettings, RolloutCore, Source
+from rollflow.rollout.core import RolloutCore, Source, core_settings
 from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import is_correct, rollout_metrics
 from rollflow.rollout.prompt_groups import PromptGroups
@@ -44,16 +44,10 @@ def prompt_rollout(config, groups: WorkerGroups, tokenizer, sampler: Source | No
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    common = dict(seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
-                  watchdog_s=config.cluster.watchdog_s)
+    settings = core_settings(config, eval_only=sampler is None)
     if rollout is None or sampler is None:
-        settings = CoreSettings(groups_per_step=1, deterministic=rollout is None or rollout.deterministic, **common)
         program = PromptGroups(reward_fn, decode, sampling or SamplingParams(), tag="eval")
         return RolloutCore(groups["actor_infer"].handles, program, None, settings)
-    # no sample can be more versions old than the run has steps: a larger bound only draws prompts past the end
-    settings = CoreSettings(rollout.groups_per_step, min(rollout.max_staleness, config.train.steps),
-                            rollout.refill_bound, rollout.overprovision, rollout.long_round_every,
-                            rollout.partial_rollout, rollout.deterministic, **common)
     domains = config.data.domains or {}
 
     def params_for(prompt: EncodedPrompt, params: SamplingParams) -> SamplingParams:
@@ -124,7 +118,7 @@ def evaluate(core: RolloutCore, colocation: ColocationManager, prompts: list[Enc
     Args:
         core: the run's rollout core (`prompt_rollout`); its prompt program, greedy, plays the eval.
         colocation: moves roles for the `rollout` phase.
-        prompts: the eval prompts (`CheckedInputs.eval_prompts`).
+        prompts: the eval prompts (`PromptInputs.eval_prompts`).
         greedy: the eval's sampling (temperature 0).
         step: the step the eval follows (0: before training); seeds the eval and keys its samples.
         group_by: `eval.group_by`: columns whose values each get `eval/C=V/accuracy` and `eval/C=V/samples`.

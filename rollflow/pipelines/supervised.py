@@ -27,7 +27,9 @@ from rollflow.cluster.groups import WorkerGroups
 from rollflow.data.sample import Batch, Sample, collate
 from rollflow.data.supervised import shuffled_batches
 from rollflow.engines.base import SamplingParams
-from rollflow.pipelines.loop import Progress, run_pipeline
+from rollflow.inputs.conversations import Item, load_supervised_inputs
+from rollflow.pipelines import PIPELINES
+from rollflow.pipelines.loop import Progress, StepDefaults, run_pipeline
 from rollflow.pipelines.phases import (
     check_group_by,
     eval_summary_lines,
@@ -36,8 +38,6 @@ from rollflow.pipelines.phases import (
     reference_logprobs,
     sync_weights,
 )
-from rollflow.pipelines.supervised_inputs import Item, check_supervised_inputs
-from rollflow.registry import Registry
 from rollflow.spans import span
 from rollflow.trackers.durable_files import write_failure_as_error
 from rollflow.trackers.trackers import DPO_COLUMNS, SUPERVISED_COLUMNS
@@ -54,12 +54,6 @@ PHASES: dict[str, tuple[str, ...]] = {
 EVAL_BATCH_ROWS = 256  # rows per eval forward call
 
 
-def supervised_roles(config) -> list[str]:
-    """actor_train; the reference (DPO without LoRA) or the teacher (distillation); actor_infer for the greedy
-    eval."""
-    return SUPERVISED_STEPS[config.pipeline](config).roles()
-
-
 def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
     """Run an SFT, DPO or distillation config. Returns the final metrics (with `initial_eval/...`).
 
@@ -67,10 +61,10 @@ def run_supervised(config, manage_ray: bool = True) -> dict[str, float]:
         config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
         manage_ray: start Ray and shut it down at the end; False runs in the caller's session.
     """
-    return run_pipeline(SUPERVISED_STEPS[config.pipeline](config), manage_ray)
+    return run_pipeline(PIPELINES.get(config.pipeline).step_class()(config), manage_ray)
 
 
-class SupervisedStep:
+class SupervisedStep(StepDefaults):
     """A supervised step (`rollflow.pipelines.loop.PipelineStep`): the next batch of rows (with what the
     objective needs besides), one optimizer step; evals of the loss (and with `eval.greedy_accuracy` the greedy
     decode) on the eval rows and the validation split, which keep the best checkpoint
@@ -111,8 +105,8 @@ class SupervisedStep:
         return self.config.train.epochs is None
 
     def check_inputs(self, roles: list[str]) -> list[str]:
-        """Every row encoded and checked (`check_supervised_inputs`); `train.epochs` resolved to steps."""
-        self.inputs = check_supervised_inputs(self.config, roles)
+        """Every row encoded and checked (`load_supervised_inputs`); `train.epochs` resolved to steps."""
+        self.inputs = load_supervised_inputs(self.config, roles)
         check_group_by(self.inputs.eval_prompts, self.config.eval.group_by)
         self.config = with_resolved_steps(self.config, len(self.inputs.train))
         warning = repetition_warning(self.config, len(self.inputs.train))
@@ -160,9 +154,6 @@ class SupervisedStep:
     def position(self, step: int) -> dict[str, float]:
         """`epoch`: full batches so far over full batches per epoch, as `train.epochs` counts them."""
         return {"epoch": step / batches_per_epoch(len(self.inputs.train), self.config.train.batch_size)}
-
-    def logged_samples(self, work: Batch) -> None:
-        return None  # the rows are the data: nothing generated to show
 
     def after_run(self, progress: Progress) -> dict[str, float]:
         """The best checkpoint's eval (`BestCheckpoint.evaluate`), when one was kept."""
@@ -282,13 +273,6 @@ class DistillStep(SupervisedStep):
                               settings.top_k, settings.temperature)  # [B, T, 2k]
         batch.extras["teacher_ids"], batch.extras["teacher_logprobs"] = unpack_top_k(packed)
         return batch
-
-
-# Each supervised pipeline's step class.
-SUPERVISED_STEPS: Registry[type[SupervisedStep]] = Registry("supervised pipeline")
-SUPERVISED_STEPS.register("sft")(SFTStep)
-SUPERVISED_STEPS.register("dpo")(DPOStep)
-SUPERVISED_STEPS.register("distill")(DistillStep)
 
 
 def with_resolved_steps(config, num_rows: int):

@@ -136,7 +136,7 @@ def needs_columns(*columns: str) -> Callable[[RewardFn], RewardFn]:
     """Declare the dataset columns a reward function reads (with `require_column`).
 
     The driver checks every row of the run's datasets for them before the first step
-    (`rollflow.pipelines.preflight`), so a dataset without them is one error naming the row, not a failed
+    (`rollflow.inputs.prompt_sets`), so a dataset without them is one error naming the row, not a failed
     sample per step. Put it under `@REWARD_FUNCTIONS.register(...)` (or on a user reward):
 
         @REWARD_FUNCTIONS.register("math_answer")

@@ -123,6 +123,25 @@ class CoreSettings:
         return self.lockstep or (self.deterministic and self.max_staleness == 0 and self.overprovision == 1)
 
 
+def core_settings(config, eval_only: bool = False) -> CoreSettings:
+    """The core's settings for a run, the one place they are read from its config: `rollout.*` (the same keys
+    in every pipeline that samples), `seed`, `roles.actor_infer.max_in_flight_requests` and
+    `cluster.watchdog_s`. An eval-only core (`eval_only`, or a run without a `rollout` section: supervised runs'
+    greedy eval) plays one group a step, deterministic unless `rollout.deterministic` says otherwise."""
+    common = dict(seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
+                  watchdog_s=config.cluster.watchdog_s)
+    rollout = getattr(config, "rollout", None)
+    if rollout is None or eval_only:
+        return CoreSettings(groups_per_step=1, deterministic=rollout is None or rollout.deterministic, **common)
+    return CoreSettings(
+        rollout.groups_per_step,
+        # no sample can be more versions old than the run has steps: a larger bound only draws keys past the end
+        max_staleness=min(rollout.max_staleness, config.train.steps),
+        max_refill_groups=rollout.refill_bound, overprovision=rollout.overprovision,
+        long_round_every=rollout.long_round_every, partial_rollout=rollout.partial_rollout,
+        deterministic=rollout.deterministic, lockstep=getattr(rollout, "lockstep", False), **common)
+
+
 @dataclass(eq=False)
 class Group:
     """One key's group of samples on its way through the core."""

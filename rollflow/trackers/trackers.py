@@ -68,10 +68,6 @@ AGENTIC_COLUMNS = (
     Column("rollout/turns", "turns"),
     Column("time/step", "step_s"),
 )
-CONSOLE_COLUMNS: dict[str, tuple[Column, ...]] = {
-    "rlvr": RL_COLUMNS, "agentic": AGENTIC_COLUMNS, "sft": SUPERVISED_COLUMNS, "distill": SUPERVISED_COLUMNS,
-    "dpo": DPO_COLUMNS,
-}
 RECENT_STEPS = 10  # the ETA's step time: the mean of this many latest steps
 WALL_TIME_KEY = "time/unix"  # each metrics.jsonl record's wall-clock time (docs/metrics.md, "The record")
 
@@ -123,7 +119,7 @@ class MetricsTracker:
         resumed_at: the checkpoint step a resumed run continues from: TensorBoard hides the events of later
             steps the interrupted run had written (they run again). `metrics.jsonl` was already cut back by
             `prepare_run_dir`.
-        columns: what the console's step line shows (`CONSOLE_COLUMNS[pipeline]`; RLVR's by default).
+        columns: what the console's step line shows (the pipeline step's `columns`; RLVR's by default).
         clock: monotonic seconds, which time the steps for the ETA (tests pass a fake one).
         wall_clock: Unix seconds, which stamp each `metrics.jsonl` record (`time/unix`).
 

@@ -171,7 +171,7 @@ class RoleLaunch:
 
         launch = RoleLaunch(config, roles, role_args, manage_ray)   # returns once Ray is up
         with launch.cancelled_on_error():
-            inputs = check_inputs(config, roles)         # meanwhile, the workers start
+            inputs = load_prompt_sets(config, roles)     # meanwhile, the workers start
         with launch.running(before_stop) as groups:      # waits for them; stops them on the way out
             ...
 

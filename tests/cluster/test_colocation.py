@@ -7,7 +7,7 @@ from rollflow.cluster.colocation import ColocationManager, transitions
 from rollflow.cluster.groups import WorkerGroup
 from rollflow.config import load_config
 from rollflow.errors import WorkerError
-from rollflow.pipelines.rlvr import PHASES
+from rollflow.pipelines.rl_step import PHASES
 from rollflow.workers.base import PlacedWorker
 from rollflow.workers.roles import plan_roles
 

@@ -8,7 +8,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from rollflow.config import (
-    PIPELINE_CONFIGS,
+    PIPELINES,
     DatasetConfig,
     LoraConfig,
     RewardFunctionConfig,
@@ -84,15 +84,15 @@ def test_committed_config_doc_is_the_rendered_reference():
         f"docs/config.md is not what the config schema renders; run `{REGENERATE}` and commit it.\n{diff}")
 
 
-@pytest.mark.parametrize("pipeline", list(PIPELINE_CONFIGS))
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_every_config_field_has_a_description(pipeline):
-    missing = undescribed_fields(PIPELINE_CONFIGS[pipeline])
+    missing = undescribed_fields(PIPELINES[pipeline].config)
     assert not missing, (f"config fields without Field(description=...): {', '.join(missing)}; describe "
                          f"them, then run `{REGENERATE}`")
 
 
 def test_the_description_check_reaches_nested_optional_and_list_sections():
-    reached = reachable_models(PIPELINE_CONFIGS["rlvr"])
+    reached = reachable_models(PIPELINES["rlvr"].config)
     for nested in (DatasetConfig, LoraConfig, TrainInferCorrectionConfig, RewardFunctionConfig):
         assert nested in reached
 
@@ -130,7 +130,7 @@ def test_reference_has_the_keys_users_look_for():
     assert "[algorithms.md](algorithms.md)" in rows["algorithm.advantage"][2]
 
 
-@pytest.mark.parametrize("pipeline", list(PIPELINE_CONFIGS))
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_reference_lists_every_key_of_each_pipelines_default_config(pipeline):
     rows = table_rows(render_config_reference(), pipeline)
     needs_data = pipeline not in ("rlvr", "agentic")  # rlvr has a default dataset, agentic reads none

@@ -3,7 +3,7 @@ traceback, never a run that starts anyway.
 
 Config values and YAML files go through the real command line, `rollflow train CONFIG ... --print-plan`,
 which validates and plans without starting a worker. Models and datasets go through the driver's checks
-before Ray starts (`rollflow.pipelines.preflight.check_inputs`), their error printed as the CLI prints any
+before Ray starts (`rollflow.inputs.prompt_sets.load_prompt_sets`), their error printed as the CLI prints any
 `RollflowError`. docs/failures.md lists every case with the message it gives.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from rollflow.cli import EXIT_USER_ERROR, main
 from rollflow.config import load_config
 from rollflow.errors import RollflowError
-from rollflow.pipelines.preflight import check_inputs
+from rollflow.inputs.prompt_sets import load_prompt_sets
 from rollflow.pipelines.rlvr import rlvr_roles
 from rollflow.rewards.registry import REWARD_FUNCTIONS, needs_columns, required_columns
 
@@ -184,7 +184,7 @@ CONFIG_CASES = [
          ["algorithm.reward_norm_by_domain=true", "algorithm.reward_norm_mean=group"]),
 ]
 
-# Rejected by the driver before Ray starts (`check_inputs`): models, datasets, limits against the model.
+# Rejected by the driver before Ray starts (`load_prompt_sets`): models, datasets, limits against the model.
 PREFLIGHT_CASES = [
     Case("model", "a directory without weights", "has no weights (no *.safetensors, *.bin or their index files)",
          ["model.path={tmp}/m"], files={"m/config.json": "{}", "m/tokenizer.json": "{}"}),
@@ -279,7 +279,7 @@ def preflight_error(case: Case, tmp_path: Path, monkeypatch) -> tuple[int, str]:
     monkeypatch.setattr("rollflow.models._reachable", lambda host, port, timeout_s: False)  # never the network
     try:
         config = load_config(case.config_path, [f"output.dir={tmp_path / 'runs'}", *overrides])
-        check_inputs(config, rlvr_roles(config))
+        load_prompt_sets(config, rlvr_roles(config))
     except RollflowError as err:
         return getattr(err, "exit_code", EXIT_USER_ERROR), f"rollflow: error: {err}\n"
     return 0, ""

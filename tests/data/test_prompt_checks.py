@@ -1,4 +1,4 @@
-"""The driver's checks of every prompt and row before a run starts (`rollflow.pipelines.preflight`)."""
+"""The driver's checks of every prompt and row before a run starts (`rollflow.inputs.prompt_sets`)."""
 
 from types import SimpleNamespace
 
@@ -8,14 +8,14 @@ from rollflow.config import load_config
 from rollflow.data.char_tokenizer import build_ascii_tokenizer
 from rollflow.data.prompts import PromptEncoder
 from rollflow.errors import ConfigError, DataError
-from rollflow.pipelines.preflight import (
+from rollflow.inputs.prompt_sets import (
     check_generation_limits,
-    check_inputs,
     check_reward_columns,
     context_length,
     dataset_source,
     encode_prompts,
     engine_context_key,
+    load_prompt_sets,
     resource_warnings,
     run_context_length,
 )
@@ -177,7 +177,7 @@ def test_the_vllm_quickstart_with_a_short_max_model_len_stops_before_the_run():
     config = load_config("examples/quickstart_vllm.yaml", ["roles.actor_infer.engine_kwargs={max_model_len: 8}",
                                                            "data.train.limit=4", "data.eval.limit=4"])
     with pytest.raises(DataError) as caught:
-        check_inputs(config, rlvr_roles(config))
+        load_prompt_sets(config, rlvr_roles(config))
     assert str(caught.value) == (
         "data.train (task 'add2') row 1: the prompt has 7 tokens, and with rollout.max_new_tokens = 6 that is 13, "
         "over the engine's context of 8 tokens (roles.actor_infer.engine_kwargs.max_model_len); keep prompts within "

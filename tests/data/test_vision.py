@@ -23,10 +23,10 @@ from rollflow.data.vision import (
 )
 from rollflow.data.visual_tasks import count_shapes_splits, draw_cells
 from rollflow.errors import DataError
+from rollflow.inputs.conversations import load_supervised_inputs
+from rollflow.inputs.prompt_sets import encode_prompts, load_prompt_sets
 from rollflow.models import load_tokenizer
-from rollflow.pipelines.preflight import check_inputs, encode_prompts
 from rollflow.pipelines.rlvr import rlvr_roles
-from rollflow.pipelines.supervised_inputs import check_supervised_inputs
 
 TOKENS_PER_IMAGE = 16  # a 32x32 image: 8x8 patches of 4 pixels, merged 2x2
 
@@ -140,7 +140,7 @@ def _shapes_file(tmp_path, column: str = "images") -> str:
 
 def _vlm_inputs(*overrides: str):
     config = load_config(None, ["model.path=tiny-vl", "data.eval=null", *overrides])
-    return check_inputs(config, rlvr_roles(config))
+    return load_prompt_sets(config, rlvr_roles(config))
 
 
 def test_an_image_key_that_no_row_has_is_one_line_naming_the_columns(tmp_path):
@@ -174,7 +174,7 @@ def test_sft_gets_the_same_image_column_check(tmp_path):
                                 "train.batch_size=2", "data.image_key=image"])
     with pytest.raises(DataError, match=r"^data.image_key is 'image', but no row of data.train \(.*shapes.jsonl\) "
                                         r"has that column \(columns: answer, images, prompt, response\)"):
-        check_supervised_inputs(config, ["actor_train"])
+        load_supervised_inputs(config, ["actor_train"])
 
 
 def test_the_image_column_check_reads_every_dataset_of_the_run():

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollflow.config import load_config
-from rollflow.errors import ConfigError, DataError
+from rollflow.errors import ConfigError
 from rollflow.pipelines.supervised import (
     BestCheckpoint,
     SFTStep,
@@ -19,7 +19,6 @@ from rollflow.pipelines.supervised import (
     repetition_warning,
     with_resolved_steps,
 )
-from rollflow.pipelines.supervised_inputs import EncodedDataset, carve_validation
 
 SFT = ["pipeline=sft", "data.train={task: add2}", "data.response_key=answer"]
 
@@ -49,27 +48,6 @@ def test_a_validation_split_with_a_best_metric_and_patience_loads():
     config = _config("data.validation_fraction=0.1", "eval.greedy_accuracy=true", "data.eval={task: add2, split: eval}",
                      "train.best_checkpoint_metric=val/accuracy", "train.early_stopping_patience=2")
     assert config.data.has_validation and config.train.early_stopping_patience == 2
-
-
-def _dataset(count: int) -> EncodedDataset:
-    return EncodedDataset([f"item{i}" for i in range(count)], [{"prompt": str(i)} for i in range(count)], 2, None)
-
-
-def test_the_carved_split_is_seeded_disjoint_and_keeps_the_file_order():
-    train, validation = carve_validation(_dataset(400), 0.1, seed=0, source=None)
-    assert len(validation.items) == 40 and len(train.items) == 360
-    assert not set(train.items) & set(validation.items)
-    assert sorted(train.items + validation.items, key=lambda item: int(item[4:])) == _dataset(400).items
-    assert train.items == sorted(train.items, key=lambda item: int(item[4:]))  # the file's order
-    assert [row["prompt"] for row in validation.rows] == [item[4:] for item in validation.items]  # rows follow
-    assert carve_validation(_dataset(400), 0.1, seed=0, source=None)[1].items == validation.items
-    assert carve_validation(_dataset(400), 0.1, seed=1, source=None)[1].items != validation.items
-    assert train.dropped == 2  # what the degenerate-row count says stays with the training part
-
-
-def test_carving_all_but_nothing_is_a_data_error():
-    with pytest.raises(DataError, match=r"data.train \(rows.jsonl\) has 1 rows: too few to carve data.validation_fraction=0.5"):
-        carve_validation(_dataset(1), 0.5, seed=0, source=SimpleNamespace(path="rows.jsonl", task=None))
 
 
 def test_the_repetition_warning_counts_passes_over_the_rows():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.config import load_config
-from rollflow.pipelines.preflight import check_inputs
+from rollflow.inputs.prompt_sets import load_prompt_sets
 from rollflow.pipelines.rlvr import rlvr_roles
 from rollflow.rewards.registry import RewardLoadError, resolve_reward
 
@@ -39,7 +39,7 @@ def test_a_reward_in_the_working_directory_resolves(in_a_project, spec):
 
 def test_the_input_checks_import_it(in_a_project):
     config = load_config(QUICKSTART, [REWARD_OVERRIDE, "data.train.limit=8", "data.eval.limit=8"])
-    check_inputs(config, rlvr_roles(config))  # resolves every reward, as a run does before Ray starts
+    load_prompt_sets(config, rlvr_roles(config))  # resolves every reward, as a run does before Ray starts
 
 
 def test_a_missing_module_says_where_it_looked(in_a_project):

@@ -377,3 +377,69 @@ def test_a_resumed_rollout_starts_only_the_next_steps_groups_with_new_seeds():
         resumed.close()
     assert after.metrics["rollout/groups/consumed"] == 2 and left_over == 0  # step 2's groups only
     assert {s.metadata["seed"] for s in played(after)}.isdisjoint({s.metadata["seed"] for s in played(before)})
+
+
+class PausingEngine(ScriptedEngine):
+    """The first turn it is asked for stops after one token, mid-response, until it is aborted (it answers that
+    token, sampled by the version it started with, finish reason `abort`) or released (the whole move); every
+    other request is answered at once with the whole move."""
+
+    def __init__(self):
+        super().__init__("Right")
+        self.holding, self.released = False, False
+
+    async def generate(self, request):
+        if self.holding:
+            return await super().generate(request)
+        self.prompts.append(list(request.prompt_ids))
+        self.holding, version = True, self.version
+        await until(lambda: request.request_id in self.aborted or self.released)
+        if request.request_id in self.aborted:
+            ids, versions, reason = self.action_ids[:1], [version], "abort"
+        else:
+            ids, versions, reason = list(self.action_ids), [version] * len(self.action_ids), "stop"
+        return Completion(request.request_id, [CompletionOutput(ids, [-0.5] * len(ids), versions, reason)])
+
+
+@pytest.mark.parametrize("mode", ["continue", "resubmit"])
+def test_the_agentic_pipelines_core_honours_partial_rollout(mode):
+    """`rollout.partial_rollout` reaches the agentic run's core (it once built its settings without it): with
+    `resubmit`, new weights abort the turn in flight and it is sent again as its prompt and its first token,
+    which keeps its version; with `continue` nothing is aborted."""
+    import threading
+
+    from rollflow.pipelines.agentic import env_rollout
+
+    env = {"id": "frozenlake", "kwargs": {"fixed_map": CORRIDOR, "max_turns": 1}, "max_turns": 1}
+    # one group in flight (synchronous: an asynchronous core would start the next step's group beside it)
+    config = AgenticConfig.model_validate({
+        "env": env, "rollout": {"partial_rollout": mode, "groups_per_step": 1, "group_size": 1}})
+    engine = PausingEngine()
+    settings = EpisodeSettings(group_size=1, max_turns=1, max_context_tokens=256, step_timeout_s=5.0)
+    core = env_rollout(config, [Remote(engine)], [Remote(env_worker(env))], TurnEncoder(TOKENIZER), settings,
+                       SamplingParams(8))
+    results = []
+    stepping = threading.Thread(target=lambda: results.append(core.next_batch(1, 0)))
+    try:
+        stepping.start()
+        deadline = time.monotonic() + 60
+        while not engine.holding:  # a hang guard: the first turn is asked for at once
+            assert time.monotonic() < deadline, "the engine was never asked for a turn"
+            time.sleep(0.01)
+        engine.version = 1
+        core.weights_updated()  # `resubmit`: the abort has reached the engine when this returns
+        aborted = list(engine.aborted)
+        engine.released = True  # `continue` (and a core that ignored the mode): the turn goes on
+        stepping.join(timeout=60)
+    finally:
+        core.close()
+    sample, = played(results[0])
+    action = engine.action_ids
+    if mode == "resubmit":
+        assert aborted and results[0].metrics["rollout/resubmitted_samples"] == 1
+        assert engine.prompts[1] == engine.prompts[0] + action[:1]  # prompt + its token so far
+        assert sample.response_ids == action[:1] + action  # the scripted engine answers a whole move again
+        assert sample.policy_versions == [0] + [1] * len(action)
+    else:
+        assert not aborted and results[0].metrics["rollout/resubmitted_samples"] == 0
+        assert sample.response_ids == action and sample.policy_versions == [0] * len(action)

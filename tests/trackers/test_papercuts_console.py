@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from rollflow.config import PIPELINE_CONFIGS
+from rollflow.config import PIPELINES
 from rollflow.trackers import MetricsTracker
 from rollflow.trackers.metric_names import documented_metric
-from rollflow.trackers.trackers import CONSOLE_COLUMNS, RECENT_STEPS, StepTimer
+from rollflow.trackers.trackers import RECENT_STEPS, StepTimer
 from tests.trackers.test_trackers import FakeClock
 
 
@@ -60,7 +60,7 @@ def test_each_metrics_record_carries_its_wall_clock_time(tmp_path, capsys):
 
 
 def _lines(tmp_path, capsys, pipeline: str, steps: list[dict[str, float]]) -> list[str]:
-    tracker = MetricsTracker(tmp_path, ["console"], total_steps=len(steps) - 1, columns=CONSOLE_COLUMNS[pipeline],
+    tracker = MetricsTracker(tmp_path, ["console"], total_steps=len(steps) - 1, columns=PIPELINES[pipeline].step_class().columns,
                              clock=FakeClock())  # the clock stands still: an ETA of 0 s
     for step, metrics in enumerate(steps):
         tracker.log(step, metrics)
@@ -96,7 +96,7 @@ def test_an_rl_line_shows_an_eval_only_at_its_step(tmp_path, capsys):
 
 
 def test_every_pipeline_has_a_line_of_documented_metrics():
-    assert set(CONSOLE_COLUMNS) == set(PIPELINE_CONFIGS)
-    for pipeline, columns in CONSOLE_COLUMNS.items():
+    for pipeline in PIPELINES:
+        columns = PIPELINES[pipeline].step_class().columns
         assert [c.key for c in columns if documented_metric(c.key) is None] == [], pipeline
         assert len({c.label for c in columns}) == len(columns), pipeline

@@ -15,7 +15,7 @@ from rollflow.config import load_config
 from rollflow.data.sample import Sample, collate
 from rollflow.engines.base import GenerationRequest, SamplingParams
 from rollflow.errors import ConfigError, WeightSyncError
-from rollflow.pipelines.rlvr import PHASES
+from rollflow.pipelines.rl_step import PHASES
 from rollflow.spans import take, traced
 from rollflow.workers.hybrid import HybridWorker
 from rollflow.workers.roles import describe_roles, plan_roles

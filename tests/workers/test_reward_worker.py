@@ -22,7 +22,7 @@ from rollflow.data.prompts import EncodedPrompt, PromptSampler
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import Completion, CompletionOutput, GenerationRequest, SamplingParams
 from rollflow.errors import WorkerError
-from rollflow.pipelines.rlvr import PHASES
+from rollflow.pipelines.rl_step import PHASES
 from rollflow.rewards import (
     CombinedReward,
     DomainRewards,

@@ -1,4 +1,4 @@
-"""`check_inputs` and `build_sampler` of a multi-domain run (`data.domains`): each domain's rows carry its
+"""`load_prompt_sets` and `build_sampler` of a multi-domain run (`data.domains`): each domain's rows carry its
 name, are checked against its own rewards, and are sampled by share."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from rollflow.config import load_config
 from rollflow.data.prompts import DomainSampler, PromptSampler
 from rollflow.errors import DataError
-from rollflow.pipelines.preflight import build_sampler, check_inputs, configured_datasets, reward_columns
+from rollflow.inputs.prompt_sets import build_sampler, configured_datasets, load_prompt_sets, reward_columns
 from rollflow.pipelines.rlvr import rlvr_roles
 from rollflow.rewards.registry import REWARD_FUNCTIONS, required_columns
 
@@ -20,7 +20,7 @@ MULTI_DOMAIN = "examples/multi_domain.yaml"
 
 def _inputs(*overrides: str, path: str = MULTI_DOMAIN):
     config = load_config(path, list(overrides))
-    return config, check_inputs(config, rlvr_roles(config))
+    return config, load_prompt_sets(config, rlvr_roles(config))
 
 
 def test_each_domains_rows_carry_its_name_and_are_sampled_by_share():

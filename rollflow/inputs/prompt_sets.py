@@ -1,8 +1,8 @@
-"""Checks an RLVR run's inputs on the driver while its workers start (`rollflow.workers.roles.RoleLaunch`,
-which stops them if a check fails), so a bad input is one line, never a worker's traceback nor a failure at
-step 11 of 12.
+"""An RLVR run's prompt sets, loaded, encoded and checked on the driver while its workers start
+(`rollflow.workers.roles.RoleLaunch`, which stops them if a check fails), so a bad input is one line, never a
+worker's traceback nor a failure at step 11 of 12.
 
-`check_inputs(config, roles)` runs them all, in this order, and returns what the driver needs next:
+`load_prompt_sets(config, roles)` runs every check, in this order, and returns what the driver needs next:
 
 1. the models: a local directory has weights and a tokenizer, a hub id is cached or the hub answers
    (`rollflow.models.check_model_files`);
@@ -30,9 +30,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
 from rollflow.data.prompts import (
     DomainSampler,
     EncodedPrompt,
@@ -54,13 +53,16 @@ from rollflow.models import (
 )
 from rollflow.rewards.registry import required_columns, resolve_reward
 
+if TYPE_CHECKING:
+    from rollflow.config import DataConfig, DatasetConfig, RLVRConfig
+
 # Model config attributes that hold the context length, by model family (the first one present counts).
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 @dataclass
-class CheckedInputs:
-    """What `check_inputs` hands the driver: the tokenizer and every prompt, encoded and checked.
+class PromptInputs:
+    """What `load_prompt_sets` hands the driver: the tokenizer and every prompt, encoded and checked.
 
     With `data.domains`, `train_prompts` and `eval_prompts` hold every domain's, one domain after the other,
     each row's column `domain` its domain's name, and `train_prompts_by_domain` each domain's train prompts.
@@ -74,7 +76,7 @@ class CheckedInputs:
     train_prompts_by_domain: dict[str, list[EncodedPrompt]] = field(default_factory=dict)
 
 
-def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -> CheckedInputs:
+def load_prompt_sets(config: RLVRConfig, roles: Sequence[str], train: bool = True) -> PromptInputs:
     """Every check of this module, in the order of the module docstring.
 
     Args:
@@ -126,7 +128,7 @@ def check_inputs(config: RLVRConfig, roles: Sequence[str], train: bool = True) -
     train_prompts, eval_prompts = ([p for part in prompts[kind].values() for p in part]
                                    for kind in ("train", "eval"))
     by_domain = {domain: part for domain, part in prompts["train"].items() if domain is not None}
-    return CheckedInputs(tokenizer, encoder, train_prompts, eval_prompts, warnings, by_domain)
+    return PromptInputs(tokenizer, encoder, train_prompts, eval_prompts, warnings, by_domain)
 
 
 def vision_processor(path: str, model_config: Any, tokenizer, trust_remote_code: bool = False):
@@ -166,7 +168,7 @@ def configured_datasets(data: DataConfig) -> list[tuple[str, str, str | None, Da
             for name, domain in data.domains.items() for kind in ("train", "eval")]
 
 
-def build_sampler(config: RLVRConfig, inputs: CheckedInputs) -> PromptSampler | DomainSampler:
+def build_sampler(config: RLVRConfig, inputs: PromptInputs) -> PromptSampler | DomainSampler:
     """The run's prompt sampler, `rollout.groups_per_step` prompts a `next_batch()`: a `PromptSampler` over
     the train prompts, or with `data.domains` a `DomainSampler` mixing one `PromptSampler` per domain
     (seeded `derive_seed(seed, "domain", name)`) by the domains' shares."""

@@ -15,7 +15,7 @@ from rollflow.config import load_config
 from rollflow.data.char_tokenizer import ASCII_CHAT_TEMPLATE, build_ascii_tokenizer
 from rollflow.data.supervised import ConversationEncoder
 from rollflow.errors import DataError
-from rollflow.pipelines.supervised_inputs import check_supervised_inputs, encode_dataset, encode_row
+from rollflow.inputs.conversations import encode_dataset, encode_row, load_supervised_inputs
 
 SOURCE = "data.train (DIR/d.jsonl)"
 WHERE = f"{SOURCE} row 3"
@@ -217,7 +217,7 @@ GOOD = [{"prompt": f"{n}+1", "response": str(n + 1)} for n in range(3)]
 def test_an_eval_set_gets_the_same_check(tmp_path):
     config = _sft_files(tmp_path, GOOD, [GOOD[0], {"prompt": "1+1", "response": ""}])
     with pytest.raises(DataError) as raised:
-        check_supervised_inputs(config, ["actor_train"])
+        load_supervised_inputs(config, ["actor_train"])
     assert str(raised.value) == (f"data.eval ({tmp_path}/eval.jsonl) row 2: the response (column 'response') is "
                                  f"empty; {ANSWERS_NOTHING}")
 
@@ -225,7 +225,7 @@ def test_an_eval_set_gets_the_same_check(tmp_path):
 def test_dropping_warns_once_per_dataset_and_keeps_the_rest(tmp_path):
     blank = {"prompt": "1+1", "response": ""}
     config = _sft_files(tmp_path, [*GOOD, blank], [blank, GOOD[0], blank], "data.drop_degenerate_rows=true")
-    inputs = check_supervised_inputs(config, ["actor_train"])
+    inputs = load_supervised_inputs(config, ["actor_train"])
     assert (len(inputs.train), len(inputs.eval)) == (3, 1)
     first = "row 4: the response (column 'response') is empty"
     assert inputs.warnings[:2] == [
@@ -239,7 +239,7 @@ def test_rows_left_fewer_than_a_batch_say_how_many_were_dropped(tmp_path):
     blank = {"prompt": "1+1", "response": ""}
     config = _sft_files(tmp_path, [GOOD[0], blank, blank], None, "data.drop_degenerate_rows=true")
     with pytest.raises(DataError) as raised:
-        check_supervised_inputs(config, ["actor_train"])
+        load_supervised_inputs(config, ["actor_train"])
     assert str(raised.value) == (f"data.train ({tmp_path}/train.jsonl) has 1 rows left after dropping 2 degenerate "
                                  "rows, fewer than train.batch_size=2; lower the batch size or add rows")
 

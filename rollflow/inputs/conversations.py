@@ -1,7 +1,8 @@
-"""Checks a supervised run's inputs (SFT, DPO, distillation) on the driver while its workers start, and
-encodes every row once: a bad row is one line naming its dataset and row, never a worker's traceback.
+"""A supervised run's inputs (SFT and distillation conversations, DPO preference pairs), loaded and checked on
+the driver while its workers start, every row encoded once: a bad row is one line naming its dataset and row,
+never a worker's traceback.
 
-`check_supervised_inputs(config)` runs, in order: the model (and the reference or teacher) files; for a
+`load_supervised_inputs(config, roles)` runs, in order: the model (and the reference or teacher) files; for a
 teacher, that its vocabulary is the student's; every train and eval row encoded by
 `rollflow.data.supervised.ConversationEncoder` (a DPO row twice: chosen and rejected) with characters the
 tokenizer cannot represent, rows over `data.max_tokens` and the model's context named; degenerate rows,
@@ -22,8 +23,7 @@ from rollflow.data.sample import Sample
 from rollflow.data.supervised import ConversationEncoder
 from rollflow.data.vision import check_image_column, resolve_image_paths
 from rollflow.errors import ConfigError, DataError
-from rollflow.models import check_model_files, load_model_config, load_tokenizer
-from rollflow.pipelines.preflight import (
+from rollflow.inputs.prompt_sets import (
     check_represented,
     check_reward_columns,
     context_length,
@@ -34,6 +34,7 @@ from rollflow.pipelines.preflight import (
     reward_columns,
     vision_processor,
 )
+from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.registry import Registry
 
 # What a training item is: one sample (SFT, distillation) or a (chosen, rejected) pair (DPO).
@@ -42,7 +43,7 @@ Item = Sample | tuple[Sample, Sample]
 
 @dataclass
 class SupervisedInputs:
-    """What `check_supervised_inputs` hands the driver.
+    """What `load_supervised_inputs` hands the driver.
 
     Attributes:
         tokenizer: the model's tokenizer.
@@ -62,12 +63,16 @@ class SupervisedInputs:
     validation_prompts: list[EncodedPrompt] = field(default_factory=list)
 
 
-def check_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
-    """Every check of this module (see its docstring).
+def load_supervised_inputs(config, roles: Sequence[str]) -> SupervisedInputs:
+    """Every check of this module (see its docstring), for SFT, distillation and DPO alike: how a row is read
+    (one conversation, a preference pair, with a teacher or not) is the pipeline's entry of `ROW_FORMATS`.
 
     Args:
         config: an `SFTConfig`, `DPOConfig` or `DistillConfig`.
         roles: the roles the run starts, for the resource warnings.
+
+    Returns:
+        The tokenizer and every row encoded: train, validation and eval, and the greedy eval's prompts.
 
     Raises:
         ModelLoadError, ConfigError, DataError: one line each.
