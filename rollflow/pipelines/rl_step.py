@@ -159,7 +159,7 @@ class RLStep(StepDefaults):
             with span("reference"):
                 batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
                                                                   config.roles.reference.backend)
-        if getattr(self.advantages, "needs_policy_logprobs", False):
+        if self.advantages.needs_policy_logprobs:
             colocation.enter("old_logprobs")
             with span("old_logprobs"):
                 batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)

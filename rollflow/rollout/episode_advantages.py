@@ -24,6 +24,8 @@ class EpisodeAdvantages:
         mode: "trajectory" or "step" (`rollout.samples`).
     """
 
+    needs_policy_logprobs = False  # the returns alone make the advantages (`RLStep.update` asks)
+
     def __init__(self, algorithm, mode: str):
         self.estimator = AGENTIC_ADVANTAGES.get(algorithm.advantage)
         self.kwargs = dict(algorithm.advantage_kwargs)
