@@ -32,11 +32,21 @@ AGENTIC = ["env.id=guess_number", "env.kwargs={low: 1, high: 9, max_turns: 4}", 
            "train.lr=1e-4", "eval.every_steps=2", "eval.episodes=8", "output.trackers=[jsonl]",
            "output.save_every_steps=1", "seed=3"]
 NOISY = ("time/", "memory/", "seconds", "per_second")  # wall-clock and memory readings differ run to run
+# The engine-trainer parity check reads float noise (~1e-6 nats): how large depends on which rows the engine's
+# continuous batch held when a sequence was computed, and in agentic runs that follows when each env's turn came
+# back. So it is not compared for equality: each reading must be far inside the check's default tolerance (1e-2).
+PARITY = "check/logprob_max_abs_diff"
+PARITY_TOLERANCE = 1e-4
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not any(n in k for n in NOISY)} for row in rows]
+    rows = [{k: v for k, v in row.items() if not any(n in k for n in NOISY)} for row in rows]
+    for row in rows:
+        if PARITY in row:
+            assert 0 <= row[PARITY] < PARITY_TOLERANCE, row
+            row[PARITY] = "within tolerance"
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +119,9 @@ def _kill_9_then_resume(config_path: str, overrides: list[str], run, uninterrupt
         manage_ray=False)
     expected, got = _metrics(uninterrupted), _metrics(tmp_path / "killed")
     assert [row["step"] for row in got] == [0, 1, 2, 3, 4]  # no step twice, none missing
-    checked = [row for row in got[2:] if "check/logprob_max_abs_diff" in row]
-    assert len(checked) == ("check/logprob_max_abs_diff" in expected[1])  # each driver checks its first step
+    checked = [row for row in got[2:] if PARITY in row]
+    assert len(checked) == (PARITY in expected[1])  # each driver checks its first step
     for row in checked:
-        del row["check/logprob_max_abs_diff"]
+        del row[PARITY]
     for a, b in zip(expected, got, strict=True):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
