@@ -103,7 +103,9 @@ def ray_session():
         if report:
             with open(report, "a") as file:
                 file.write(f"{os.getpid()}: {pool.started} workers started, {pool.adopted} adopted, "
-                           f"{len(pool.idle)} idle at the end\n")
+                           f"{pool.evicted} evicted, {len(pool.idle)} idle at the end\n")
+                for key, count in pool.started_keys.most_common():
+                    file.write(f"  {count} started: {key}\n")
     stop_ray()
 
 

@@ -210,7 +210,8 @@ def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
                                                          lambda placement, *_: f"{role} {placement.index}")))
     pool = worker_pool()
     # a placement group's actors end with it: only workers scheduled without one are kept
-    keys = ([(f"{worker_cls.__module__}:{worker_cls.__qualname__}", role, placement.index,
+    # not the worker's index: a rebuild takes its placement (and its lane's name) from the new arguments
+    keys = ([(f"{worker_cls.__module__}:{worker_cls.__qualname__}", role,
               placement.local_devices if keyed_devices else ())
              for placement in placements] if bundles is None else None)
     handles, rebuilt = [], {}

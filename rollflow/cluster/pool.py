@@ -5,7 +5,7 @@ Starting a role worker costs its process's imports (torch, transformers: ~7-10 s
 before it builds anything; a run of a few steps on a tiny model costs less than that. A process that runs many
 short runs in one Ray session (a test session, a sweep from a notebook) can keep the workers a run is done
 with: at the end of a run each worker still alive is `close()`d as usual, then parked here instead of being
-killed, and the next run's worker of the same shape (same worker class, role and worker index) rebuilds itself
+killed, and the next run's worker of the same shape (same worker class and role) rebuilds itself
 in that process (`rebuild_worker`: its constructor again, on an emptied object) instead of a new process
 starting. What a constructor sets is set again; what the process imported stays imported.
 
@@ -21,7 +21,7 @@ to make room. Ray's end (`rollflow.cluster.ray_session.stop_ray`) forgets them a
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -36,6 +36,8 @@ class WorkerPool:
     Attributes:
         adopted: how many workers a run took from here instead of starting one.
         started: how many workers a run started because none here fitted.
+        started_keys: those starts by key (worker class, role, devices): which shapes cost a process.
+        evicted: how many idle workers were killed to make room (`max_idle`).
         parked: how many workers a run left here.
     """
 
@@ -47,7 +49,9 @@ class WorkerPool:
         self._tickets = 0
         self.adopted = 0
         self.started = 0
+        self.started_keys: Counter[Hashable] = Counter()
         self.parked = 0
+        self.evicted = 0
 
     def take(self, key: Hashable) -> Any | None:
         """An idle worker of `key` (no longer idle), or None (counted in `started`: the caller starts one)."""
@@ -57,6 +61,7 @@ class WorkerPool:
                 self.adopted += 1
                 return handle
         self.started += 1
+        self.started_keys[key] += 1
         return None
 
     def park(self, key: Hashable, handle: Any) -> None:
@@ -70,6 +75,7 @@ class WorkerPool:
         while len(self.idle) > self.max_idle:
             _, (_, oldest) = self.idle.popitem(last=False)
             ray.kill(oldest)
+            self.evicted += 1
 
     def clear(self, kill: bool = True) -> None:
         """Kill every idle worker (`kill=False`: only forget them, Ray has ended)."""

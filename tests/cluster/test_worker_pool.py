@@ -44,7 +44,8 @@ def test_the_pool_hands_out_by_key_and_holds_at_most_max_idle(monkeypatch):
     assert killed == ["a"]
     assert pool.take("train") is c and pool.take("train") is None
     assert pool.take("infer") is b
-    assert (pool.adopted, pool.started, pool.parked) == (2, 2, 3)
+    assert (pool.adopted, pool.started, pool.parked, pool.evicted) == (2, 2, 3, 1)
+    assert pool.started_keys == {"critic": 1, "train": 1}
     with pytest.raises(ValueError, match="max_idle"):
         WorkerPool(max_idle=0)
 

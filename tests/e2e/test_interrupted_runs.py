@@ -75,7 +75,7 @@ def _assert_no_ray_left(driver_pid: int, within_s: float = 15, sessions: Iterabl
     assert not _ray_left(driver_pid, sessions)
 
 
-def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path):
+def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path, cli):
     run_dir = tmp_path / "run"
     driver = _start(tmp_path, "train.steps=20")
     _wait_for_step(run_dir, 1)
@@ -90,9 +90,9 @@ def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path):
     assert json.loads((run_dir / "checkpoints" / f"step_{last}" / "driver_state.json").read_text())["step"] == last
     _assert_no_ray_left(driver.pid, sessions=sessions)
 
-    resumed = _start(tmp_path, f"train.steps={last + 1}", "resume=true")
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out[-2000:] + err[-3000:]
+    # the resume through the command line's `main` in this process (a resume never prestarts Ray:
+    # tests/test_cli_prestart.py; a finished command leaves no Ray: tests/cluster/test_runtime_cleanup.py)
+    resumed = cli("train", QUICKSTART, *FAST, "name=run", f"output.dir={tmp_path}", f"train.steps={last + 1}",
+                  "resume=true")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert _steps(run_dir / "metrics.jsonl") == list(range(last + 2))  # 0 (initial eval) .. last + 1, once each
-    assert glob.glob(f"/tmp/ray/session_*_{resumed.pid}")  # a resume starts its own Ray (no prestart), named so
-    _assert_no_ray_left(resumed.pid)
