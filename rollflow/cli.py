@@ -25,7 +25,6 @@ def _train(args: argparse.Namespace) -> int:
     """Run the pipeline the config names (`pipeline:`, default rlvr) through `rollflow.pipelines.PIPELINES`."""
     from rollflow.config import dump_config, load_config
     from rollflow.errors import RollflowError, WorkerDiedError
-    from rollflow.pipelines import PIPELINES, run
 
     overrides = args.overrides
     if args.pipeline is not None:  # `rollflow sft CFG`: the config may leave `pipeline` out, or must say sft
@@ -42,6 +41,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_config(config), end="")
         return 0
+    if not args.print_plan:
+        _prestart_ray(config)
+    from rollflow.pipelines import PIPELINES, run
+
     pipeline = PIPELINES.get(config.pipeline)
     if args.print_plan:
         from rollflow.workers.roles import describe_plan
@@ -59,53 +62,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if final else 1
 
 
-def _prestart_ray(path: str | None, overrides: list[str]) -> None:
-    """Have a local Ray start in a process of its own now (`rollflow.cluster.prestart.prestart_ray`), before the
-    config is even loaded: loading it imports torch, and the pipeline imports Ray's client (~4 s on 2 cores),
-    which Ray's start (~2.5 s) then overlaps on another core. Only where the config plainly asks for a local
-    Ray: `cluster.address` unset, `cluster.num_cpus` unset or a positive integer, and not `resume: true` (a
-    finished run must stop at once, not after starting Ray). Only from a fresh process (torch not imported
-    yet): a test or a notebook calling `main` has nothing to overlap. Whatever the config turns out to say,
-    the pipeline's `start_ray` connects to this Ray only if it is the one it wants, and ends it otherwise.
-    Nothing is said or waited for here: a config the loader refuses ends in its one error line at once, and
-    `main` discards this Ray without waiting for it; the pipeline says "starting Ray ..." once it asks for
-    Ray, past the config's checks."""
-    if "torch" in sys.modules:
-        return
-    import yaml
-
-    try:
-        tree = (yaml.safe_load(Path(path).read_text()) if path else None) or {}
-        cluster = tree.get("cluster") or {}
-        settings = {"cluster.address": cluster.get("address"), "cluster.num_cpus": cluster.get("num_cpus"),
-                    "resume": tree.get("resume"), "model.path": (tree.get("model") or {}).get("path")}
-        for item in overrides:
-            key, _, value = item.partition("=")
-            if key == "cluster":  # the whole section replaced: left to the loader
-                return
-            if key in settings:
-                settings[key] = yaml.safe_load(value)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-        return  # the config loader says what is wrong
-    num_cpus = settings["cluster.num_cpus"]
-    if settings["cluster.address"] is not None or settings["resume"] is True or \
-            num_cpus is not None and not (type(num_cpus) is int and num_cpus > 0):
+def _prestart_ray(config) -> None:
+    """Have a local Ray start in a process of its own now (`rollflow.cluster.prestart.prestart_ray`), once the
+    config loaded (without torch: in well under a second) and before the pipeline imports torch and Ray's
+    client (~4 s on 2 cores), which Ray's start (~2.5 s) then overlaps on another core. Only where the config
+    asks for a local Ray (`cluster.address` unset) and not for a resume (a finished run must stop at once,
+    not after starting Ray); only from a fresh process (torch not imported yet): a test or a notebook calling
+    `main` has nothing to overlap. The pipeline's `start_ray` takes this Ray over; `main` discards it when
+    the run stops before that."""
+    if "torch" in sys.modules or config.cluster.address is not None or config.resume:
         return
     from rollflow.cluster.prestart import prestart_ray
     from rollflow.workers import warm
 
-    model = settings["model.path"]
-    prestart_ray(num_cpus, warm_up=warm.SETUP_HOOK,
-                 warm_up_env={warm.MODEL_VARIABLE: model} if isinstance(model, str) else {})
-
-
-def _prestart_for_train(args: argparse.Namespace) -> None:
-    if not (args.print_config or args.print_plan):
-        _prestart_ray(args.config, args.overrides)
-
-
-def _prestart_for_eval(args: argparse.Namespace) -> None:
-    _prestart_ray(args.config, _eval_overrides(args))
+    prestart_ray(config.cluster.num_cpus, warm_up=warm.SETUP_HOOK,
+                 warm_up_env={warm.MODEL_VARIABLE: config.model.path})
 
 
 def _keep_worker_traceback(err: BaseException, run_dir) -> None:
@@ -171,6 +142,7 @@ def _eval(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
 
     config = load_config(args.config, _eval_overrides(args))
+    _prestart_ray(config)
     from rollflow.pipelines.evaluate import run_eval
 
     metrics = run_eval(config)
@@ -243,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--print-plan", action="store_true",
                        help="print which worker of which role sits on which device and node, and exit")
-    train.set_defaults(handler=_train, pipeline=None, prestart=_prestart_for_train)
+    train.set_defaults(handler=_train, pipeline=None)
 
     for name, what in (("sft", "supervised fine-tuning on conversations"),
                        ("dpo", "preference optimization (DPO, IPO, cDPO) against a frozen reference"),
@@ -253,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", help="overrides like train.steps=200")
         command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         command.add_argument("--print-plan", action="store_true", help="print the placement plan and exit")
-        command.set_defaults(handler=_train, pipeline=name, prestart=_prestart_for_train)
+        command.set_defaults(handler=_train, pipeline=name)
 
     planner = commands.add_parser(
         "plan", help="simulate an RLVR config on N GPUs of a hardware profile and recommend the split between "
@@ -291,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "eval-tiny, eval-quickstart-step_120); an earlier eval there is moved aside to "
                                "NAME.1")
     evaluate.add_argument("overrides", nargs="*", help="config overrides like data.eval.limit=500")
-    evaluate.set_defaults(handler=_eval, prestart=_prestart_for_eval)
+    evaluate.set_defaults(handler=_eval)
 
     build = commands.add_parser("build-tiny-model", help="rebuild the bundled tiny model: new-model, then SFT by "
                                 "examples/sft_tiny.yaml (--vl: the tiny VLM by examples/sft_tiny_vl.yaml)")
@@ -341,8 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if getattr(args, "prestart", None) is not None:  # first: anything from rollflow below imports torch
-        args.prestart(args)
     from rollflow.errors import RollflowError
     from rollflow.pipelines.interrupts import Interrupted
 

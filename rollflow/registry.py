@@ -1,6 +1,13 @@
 """Name -> implementation registries (losses, advantages, engines, backends, envs, rewards).
 
-Plain Python that imports only `rollflow.errors` from the rest of rollflow, so every folder may use it. The one
+Plain Python that imports only `rollflow.errors` from the rest of rollflow, so every folder may use it.
+
+A registry whose implementations need torch can be filled lazily: made with `declared_in` (the modules whose
+functions register into it with `@NAME.register("x")`), it knows its names and each function's options from
+those modules' source (read with `ast`, not imported), and imports a module only when one of its names is
+looked up (`get`). So the config loads and checks algorithm names and options without importing torch.
+
+The one
 exception runs only when called, for the docs: `find_registries` imports the package's modules by name to map
 every registry, and `python -m rollflow.registry docs/architecture.md` rewrites the doc's table of them
 (`render_registry_table`; `tests/docs/test_architecture_map.py` checks that the committed table is the one
@@ -9,9 +16,11 @@ rendered).
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 import re
@@ -34,16 +43,82 @@ class UnknownNameError(RollflowError, KeyError):
         return str(self.args[0])
 
 
+@dataclass(frozen=True)
+class Options:
+    """The options (keyword arguments a config may pass) of a registered function.
+
+    Attributes:
+        names: keyword-only parameters and positional ones with a default, sorted.
+        required: keyword-only parameters without a default.
+        any: it takes `**kwargs` (every option is accepted).
+    """
+
+    names: tuple[str, ...]
+    required: tuple[str, ...] = ()
+    any: bool = False
+
+    @classmethod
+    def of(cls, fn: Callable[..., object]) -> Options:
+        """The options of a function (its signature)."""
+        names, required, any_ = [], [], False
+        for param in inspect.signature(fn).parameters.values():
+            if param.kind is inspect.Parameter.KEYWORD_ONLY:
+                names.append(param.name)
+                if param.default is param.empty:
+                    required.append(param.name)
+            elif param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and param.default is not param.empty:
+                names.append(param.name)
+            elif param.kind is inspect.Parameter.VAR_KEYWORD:
+                any_ = True
+        return cls(tuple(sorted(names)), tuple(required), any_)
+
+    @classmethod
+    def from_source(cls, function: ast.FunctionDef | ast.AsyncFunctionDef) -> Options:
+        """The options of a function as its source defines it (`Options.of` without importing it)."""
+        arguments = function.args
+        positional = [*arguments.posonlyargs, *arguments.args]
+        with_default = [arg.arg for arg in positional[len(positional) - len(arguments.defaults):]
+                        if arg not in arguments.posonlyargs] if arguments.defaults else []
+        keyword_only = [arg.arg for arg in arguments.kwonlyargs]
+        required = [arg.arg for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+                    if default is None]
+        return cls(tuple(sorted(with_default + keyword_only)), tuple(required), arguments.kwarg is not None)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A name that a module registers with `@NAME.register("x")`, read from the module's source.
+
+    Attributes:
+        module: the module that registers it (imported on the name's first `get`).
+        function: the decorated function's name in that module.
+        options: the function's options, from its signature in the source.
+    """
+
+    module: str
+    function: str
+    options: Options
+
+
 class Registry(Generic[T]):
     """A named collection of implementations.
 
     Args:
         kind: what the registry holds, used in error messages ("advantage estimator").
+        declared_in: modules that register into it, read (not imported) for the names they declare: a name
+            declared there is known at once and its module imported on the name's first `get`.
+        declared_as: the name the modules' decorators call the registry by (`POLICY_LOSSES` in
+            `@POLICY_LOSSES.register("ppo")`); needed with `declared_in`.
     """
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, declared_in: tuple[str, ...] = (), declared_as: str | None = None):
+        if declared_in and not declared_as:
+            raise ValueError("a registry declared in modules needs `declared_as`: the name its decorators use")
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self.declared_in = declared_in
+        self.declared_as = declared_as
+        self._declarations: dict[str, Declared] | None = None  # read on first use
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator that registers `obj` under `name`; a duplicate name is an error."""
@@ -57,32 +132,113 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
-        """Return the implementation for `name`, or raise `UnknownNameError` naming the valid ones."""
+        """Return the implementation for `name` (importing the module that declares it, the first time), or
+        raise `UnknownNameError` naming the valid ones."""
+        if name not in self._entries and name in self.declarations():
+            declared = self.declarations()[name]
+            importlib.import_module(declared.module)  # its decorator registers the name
+            if name not in self._entries:
+                raise RuntimeError(f"{self.kind} {name!r}: {declared.module} declares it in its source but did "
+                                   "not register it when imported")
         try:
             return self._entries[name]
         except KeyError:
             raise UnknownNameError(self.unknown_message(name)) from None
 
+    def options(self, name: str) -> Options:
+        """The options of `name`'s implementation: from its signature once imported, else from its source."""
+        if name in self._entries:
+            return Options.of(self._entries[name])  # type: ignore[arg-type]
+        if name in self.declarations():
+            return self.declarations()[name].options
+        raise UnknownNameError(self.unknown_message(name))
+
+    def declarations(self) -> dict[str, Declared]:
+        """The names `declared_in` register, read from their source once."""
+        if self._declarations is None:
+            self._declarations = {}
+            for module in self.declared_in:
+                for name, declared in declared_names(module, self.declared_as or "").items():
+                    if name in self._declarations:
+                        raise ValueError(f"{self.kind} {name!r} is declared twice: in "
+                                         f"{self._declarations[name].module} and {module}")
+                    self._declarations[name] = declared
+        return self._declarations
+
     def unknown_message(self, name: str) -> str:
-        valid = sorted(self._entries)
+        valid = self.names()
         near = difflib.get_close_matches(name, valid, n=1)
         hint = f" Did you mean {near[0]!r}?" if near else ""
         return f"unknown {self.kind} {name!r}.{hint} Valid: {', '.join(valid)}"
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted({*self._entries, *(self.declarations() if self.declared_in else ())})
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries or (bool(self.declared_in) and name in self.declarations())
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._entries))
+        return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.names())
+
+
+def _module_source(module: str) -> ast.Module:
+    """`module`'s source, parsed; the module is not imported (one of this package is found under the package's
+    directory, any other by `importlib.util.find_spec`, which imports its parent packages)."""
+    root = Path(__file__).resolve().parent
+    package, _, rest = module.partition(".")
+    if package == root.name:
+        base = root.joinpath(*rest.split(".")) if rest else root
+        path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    else:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"no module named {module!r}", name=module)
+        path = Path(spec.origin)
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def source_definition(spec: str) -> ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | None:
+    """The top-level function or class `module:name` names, as its module's source defines it (not imported);
+    None when the source does not define it at top level (an alias, an import)."""
+    module, _, name = spec.partition(":")
+    for node in _module_source(module).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
+            return node
+    return None
+
+
+def declared_names(module: str, registry_name: str) -> dict[str, Declared]:
+    """The names `module`'s top-level functions register with `@<registry_name>.register("x")` (or
+    `<registry_name>.register("y")(function)`), read from its source (`_module_source`)."""
+    tree = _module_source(module)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+    def registered_name(call: ast.expr) -> str | None:  # "x" of `<registry_name>.register("x")`
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "register"
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == registry_name and call.args
+                and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)):
+            return call.args[0].value
+        return None
+
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # @NAME.register("x") def f(...)
+            for decorator in node.decorator_list:
+                name = registered_name(decorator)
+                if name is not None:
+                    found[name] = Declared(module, node.name, Options.from_source(node))
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):  # NAME.register("y")(f): an alias
+            name = registered_name(node.value.func)
+            target = node.value.args[0] if len(node.value.args) == 1 else None
+            if name is not None and isinstance(target, ast.Name) and target.id in functions:
+                found[name] = Declared(module, target.id, Options.from_source(functions[target.id]))
+    return found
 
 
 def import_module(name: str) -> ModuleType:

@@ -1,52 +1,67 @@
 """Pure-torch RL algorithms: advantage estimators, policy losses, KL estimators, loss aggregation, and the
 agentic (multi-turn) advantages over episodes and steps.
 
-Implementations are chosen by name from the registries; importing this package registers them all.
+Implementations are chosen by name from the registries (`registries`, which imports no torch). The package
+imports each module on first use of a name from it (`rollflow.algorithms.whiten` imports `reward_shaping`), and
+a registry imports the module of a name when the name is looked up: `import rollflow.algorithms.registries`, as
+the config does, imports no torch.
+
 Shapes: B samples, T response tokens (right-padded), `mask` [B, T] float 1.0 on trained tokens,
 `group_ids` [B] long; the agentic estimators take flat [S] rows (episodes or steps).
 See docs/algorithms.md for the formulas and defaults.
 """
 
-from rollflow.algorithms.advantages import AdvantageInputs
-from rollflow.algorithms.agentic import (
-    AgenticAdvantageInputs,
-    discounted_step_returns,
-    episode_group_advantages,
-    gigpo_advantages,
-    step_reinforce_advantages,
-)
-from rollflow.algorithms.aggregation import LossNormalizer, aggregate_loss, loss_normalizer
-from rollflow.algorithms.corrections import masked_is, train_infer_correction, truncated_is_weights
-from rollflow.algorithms.distillation import DIVERGENCES, distill_token_loss, restrict_to_topk
-from rollflow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from rollflow.algorithms.policy_losses import PolicyLossInputs, entropy_from_logits
-from rollflow.algorithms.preference import (
-    PREFERENCE_LOSSES,
-    pair_weights,
-    preference_metrics,
-    sequence_logprob_sums,
-)
-from rollflow.algorithms.registries import (
-    ADVANTAGE_ESTIMATORS,
-    AGENTIC_ADVANTAGES,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    check_hyperparams,
-)
-from rollflow.algorithms.reward_shaping import (
-    RunningMoments,
-    clip_advantages,
-    clip_rewards,
-    difficulty_mask,
-    normalize_rewards,
-    normalize_rewards_by_domain,
-    overlong_filter_mask,
-    overlong_reward_penalty,
-    whiten,
-)
-from rollflow.algorithms.supervised import token_nll
-from rollflow.algorithms.value_loss import clipped_value_loss
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it, imported on first use
+_HOMES = {
+    "AdvantageInputs": "advantages",
+    "AgenticAdvantageInputs": "agentic",
+    "discounted_step_returns": "agentic",
+    "episode_group_advantages": "agentic",
+    "gigpo_advantages": "agentic",
+    "step_reinforce_advantages": "agentic",
+    "LossNormalizer": "aggregation",
+    "aggregate_loss": "aggregation",
+    "loss_normalizer": "aggregation",
+    "masked_is": "corrections",
+    "train_infer_correction": "corrections",
+    "truncated_is_weights": "corrections",
+    "distill_token_loss": "distillation",
+    "restrict_to_topk": "distillation",
+    "AdaptiveKLController": "kl",
+    "FixedKLController": "kl",
+    "kl_penalty": "kl",
+    "PolicyLossInputs": "policy_losses",
+    "entropy_from_logits": "policy_losses",
+    "pair_weights": "preference",
+    "preference_metrics": "preference",
+    "sequence_logprob_sums": "preference",
+    "ADVANTAGE_ESTIMATORS": "registries",
+    "AGENTIC_ADVANTAGES": "registries",
+    "KL_ESTIMATORS": "registries",
+    "LOSS_AGGREGATIONS": "registries",
+    "POLICY_LOSSES": "registries",
+    "check_hyperparams": "registries",
+    "check_options": "registries",
+    "DIVERGENCES": "registries",
+    "PREFERENCE_LOSSES": "registries",
+    "TURN_LEVEL_LOSSES": "registries",
+    "RunningMoments": "reward_shaping",
+    "clip_advantages": "reward_shaping",
+    "clip_rewards": "reward_shaping",
+    "difficulty_mask": "reward_shaping",
+    "normalize_rewards": "reward_shaping",
+    "normalize_rewards_by_domain": "reward_shaping",
+    "overlong_filter_mask": "reward_shaping",
+    "overlong_reward_penalty": "reward_shaping",
+    "whiten": "reward_shaping",
+    "token_nll": "supervised",
+    "clipped_value_loss": "value_loss",
+}
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -63,6 +78,8 @@ __all__ = [
     "RunningMoments",
     "aggregate_loss",
     "check_hyperparams",
+    "check_options",
+    "TURN_LEVEL_LOSSES",
     "clip_advantages",
     "clip_rewards",
     "clipped_value_loss",
@@ -91,3 +108,16 @@ __all__ = [
     "sequence_logprob_sums",
     "step_reinforce_advantages",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

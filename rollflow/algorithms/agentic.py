@@ -338,9 +338,6 @@ def step_reinforce(
     return advantages, _advantage_metrics(advantages)
 
 
-# Policy losses that need turn boundaries (`segment_ids`), which only multi-turn rollouts have.
-TURN_LEVEL_LOSSES = ("ipa_chunk",)
-
 
 @POLICY_LOSSES.register("ipa_chunk")
 def ipa_chunk(

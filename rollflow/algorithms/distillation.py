@@ -27,16 +27,12 @@ Padded positions must hold finite values (e.g. zeros); mask the result.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rollflow.registry import Registry
-
-DIVERGENCES: Registry[Callable[..., Any]] = Registry("distillation divergence")
+from rollflow.algorithms.registries import DIVERGENCES
 
 # Guards the 0/0 of AKL's weights when p == q on a token (both gaps 0; then FKL = RKL = 0 too).
 AKL_EPSILON = 1e-12

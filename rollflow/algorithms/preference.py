@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rollflow.registry import Registry
-
-PREFERENCE_LOSSES: Registry[Callable[..., Any]] = Registry("preference loss")
+from rollflow.algorithms.registries import PREFERENCE_LOSSES
 
 
 def _check_pair(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> None:

@@ -7,13 +7,14 @@ come from typed config keys, and the keyword arguments of the class after `setti
 
 from __future__ import annotations
 
+import ast
 import difflib
 import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollflow.errors import ConfigError
-from rollflow.registry import Registry, UnknownNameError, import_object
+from rollflow.registry import Registry, UnknownNameError, import_object, source_definition
 
 if TYPE_CHECKING:
     from rollflow.backends.base import TrainerSettings, TrainingBackend
@@ -36,7 +37,18 @@ def backend_class(name: str) -> type:
 
 
 def backend_kwarg_names(name: str) -> list[str]:
-    """The backend-specific keyword arguments backend `name` takes (its constructor's, after `settings`)."""
+    """The backend-specific keyword arguments backend `name` takes (its constructor's, after `settings`), read
+    from its module's source (no torch imported); a class without an `__init__` of its own is imported."""
+    try:
+        spec = BACKENDS.get(name)
+    except UnknownNameError as error:
+        raise ConfigError(str(error)) from None
+    cls = source_definition(spec)
+    init = next((node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"),
+                None) if isinstance(cls, ast.ClassDef) else None
+    if init is not None:
+        arguments = [*init.args.posonlyargs, *init.args.args][1:] + init.args.kwonlyargs  # after `self`
+        return [argument.arg for argument in arguments if argument.arg != "settings"]
     parameters = inspect.signature(backend_class(name)).parameters.values()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return [p.name for p in parameters if p.kind in named and p.name != "settings"]
@@ -56,7 +68,7 @@ def check_backend_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
     unknown = sorted(set(kwargs) - set(valid))
     if not unknown:
         return
-    from rollflow.backends.base import SETTINGS_FIELDS
+    from rollflow.backends.settings import SETTINGS_FIELDS
 
     notes = []
     settings_keys = [key for key in unknown if key in SETTINGS_FIELDS]

@@ -7,16 +7,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rollflow.algorithms import (
+from rollflow.algorithms.registries import (
     AGENTIC_ADVANTAGES,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    check_hyperparams,
 )
 from rollflow.config.rlvr import LossFields, TrainInferCorrectionConfig
 from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
-from rollflow.config.sections import RunConfigBase, Strict
+from rollflow.config.sections import EvalFields, RunConfigBase, Strict
 
 
 class FaultInjectionConfig(Strict):
@@ -115,6 +111,8 @@ class AgenticRolloutConfig(SamplingFields, GroupFlowFields):
 class AgenticAlgorithmConfig(LossFields):
     """The advantage (per episode or per step) and the actor loss."""
 
+    ADVANTAGES = AGENTIC_ADVANTAGES
+
     advantage: str = Field(
         default="starpo",
         description="`starpo` (episode return, group-normalized: trajectory-level GRPO; `{normalize_std: "
@@ -122,21 +120,6 @@ class AgenticAlgorithmConfig(LossFields):
                     "within groups of identical anchor states) or `step_reinforce`; see "
                     "[algorithms.md](algorithms.md).")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount of the step returns (gigpo, step_reinforce).")
-
-    @model_validator(mode="after")
-    def _known_names(self) -> AgenticAlgorithmConfig:
-        checks = [
-            (AGENTIC_ADVANTAGES, self.advantage, self.advantage_kwargs),
-            (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
-            (LOSS_AGGREGATIONS, self.loss_aggregation, None),
-            (KL_ESTIMATORS, self.kl_estimator, None),
-        ]
-        for registry, name, kwargs in checks:
-            if name not in registry:
-                raise ValueError(registry.unknown_message(name))
-            if kwargs is not None:
-                check_hyperparams(registry.get(name), kwargs)
-        return self
 
     @property
     def needs_reference(self) -> bool:
@@ -147,11 +130,9 @@ class AgenticAlgorithmConfig(LossFields):
         return False
 
 
-class AgenticEvalConfig(Strict):
-    every_steps: int = Field(
-        default=10, ge=0,
-        description="Greedy eval every N steps, and always before the first and after the last step; 0: only "
-                    "those two.")
+class AgenticEvalConfig(EvalFields):
+    """The agentic pipeline's `eval` section: greedy episodes on held-out seeds."""
+
     episodes: int = Field(default=100, ge=0, description="Held-out episodes, one per seed; 0: no eval.")
     seed_start: int = Field(
         default=1_000_000, ge=0,

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rollflow.algorithms import (
+from rollflow.algorithms.registries import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
-    check_hyperparams,
+    TURN_LEVEL_LOSSES,
+    check_options,
 )
-from rollflow.algorithms.agentic import TURN_LEVEL_LOSSES
 from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
 from rollflow.config.sections import RunConfigBase, Strict
+from rollflow.registry import Registry
 
 # Estimators whose baseline is the mean of the sample's prompt group: with one sample per prompt the sample is
 # its own baseline and every reward-based advantage is 0 (tests/config check this against the estimators).
@@ -130,7 +132,9 @@ class TrainInferCorrectionConfig(Strict):
 
 class LossFields(Strict):
     """The actor loss settings every RL pipeline shares (the advantage estimator, its registry and the rest of
-    the algorithm are each pipeline's)."""
+    the algorithm are each pipeline's: `advantage` and `ADVANTAGES`)."""
+
+    ADVANTAGES: ClassVar[Registry[Callable[..., Any]]]  # the registry `advantage` names an estimator of
 
     advantage_kwargs: dict[str, Any] = Field(
         default={},
@@ -164,6 +168,24 @@ class LossFields(Strict):
         description="Train-inference mismatch correction in the actor loss (TIS weights, MIS masks), with "
                     "the ratio `exp(old_logprobs − rollout_logprobs)`; `null`: off.")
 
+    def _named(self) -> list[tuple[Registry[Callable[..., Any]], str, dict[str, Any] | None]]:
+        """(registry, the name the config gives, the options it passes or None) for each registry name."""
+        return [(self.ADVANTAGES, self.advantage, self.advantage_kwargs),  # type: ignore[attr-defined]
+                (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
+                (LOSS_AGGREGATIONS, self.loss_aggregation, None),
+                (KL_ESTIMATORS, self.kl_estimator, None)]
+
+    @model_validator(mode="after")
+    def _known_names(self) -> LossFields:
+        """Unknown registry names and options fail at load time, listing the valid ones (without importing an
+        implementation: `check_options`)."""
+        for registry, name, options in self._named():
+            if name not in registry:
+                raise ValueError(registry.unknown_message(name))
+            if options is not None:
+                check_options(registry, name, options)
+        return self
+
 
 class AlgorithmConfig(LossFields):
     """Algorithm choices by registry name; `*_kwargs` are checked against each function's signature.
@@ -172,6 +194,8 @@ class AlgorithmConfig(LossFields):
     normalization and clipping, KL penalty in the reward, the estimator, advantage whitening and clipping
     (docs/algorithms.md). Every option below is off by default.
     """
+
+    ADVANTAGES = ADVANTAGE_ESTIMATORS
 
     advantage: str = Field(
         default="grpo",
@@ -233,21 +257,11 @@ class AlgorithmConfig(LossFields):
         description="Critic loss (`advantage: gae`): clip the value update to ± this around the rollout-time "
                     "value; `null`: unclipped.")
 
+    def _named(self) -> list[tuple[Registry[Callable[..., Any]], str, dict[str, Any] | None]]:
+        return [*super()._named(), (KL_ESTIMATORS, self.kl_reward_estimator, None)]
+
     @model_validator(mode="after")
-    def _known_names(self) -> AlgorithmConfig:
-        """Unknown registry names and options fail at load time, listing the valid ones."""
-        checks = [
-            (ADVANTAGE_ESTIMATORS, self.advantage, self.advantage_kwargs),
-            (POLICY_LOSSES, self.policy_loss, self.policy_loss_kwargs),
-            (LOSS_AGGREGATIONS, self.loss_aggregation, None),
-            (KL_ESTIMATORS, self.kl_estimator, None),
-            (KL_ESTIMATORS, self.kl_reward_estimator, None),
-        ]
-        for registry, name, kwargs in checks:
-            if name not in registry:
-                raise ValueError(registry.unknown_message(name))
-            if kwargs is not None:
-                check_hyperparams(registry.get(name), kwargs)
+    def _single_turn_loss(self) -> AlgorithmConfig:
         if self.policy_loss in TURN_LEVEL_LOSSES:
             raise ValueError(f"policy_loss {self.policy_loss!r} takes one ratio per turn of a multi-turn episode; "
                              "it works in the agentic pipeline (pipeline: agentic), not on single responses")

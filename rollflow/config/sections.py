@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rollflow.backends import BACKENDS, check_backend_kwargs
-from rollflow.backends.base import SETTINGS_FIELDS
-from rollflow.backends.lora import LoraConfig
+from rollflow.backends.lora_config import LoraConfig
+from rollflow.backends.settings import SETTINGS_FIELDS
 from rollflow.config.simulation import SimConfig, check_simulated
 from rollflow.config.values import (
     MAX_NAME_LENGTH,
@@ -225,17 +225,21 @@ class DataConfig(Strict):
         return {name: share / total for name, share in shares.items()}
 
 
-class TrainConfig(Strict):
+class TrainFields(Strict):
+    """The `train` keys every pipeline shares: the run's length, AdamW, its schedule, micro-batching, and what a
+    non-finite loss does (`TrainConfig` adds RL's, `SupervisedTrainConfig` the supervised ones)."""
+
     steps: int = Field(
         default=100, gt=0,
-        description="Steps of the run. An RLVR step generates, rewards, computes advantages, trains and "
-                    "syncs the weights to the engines.")
+        description="Steps of the run. An RL step generates, rewards, computes advantages, trains and syncs the "
+                    "weights to the engines; a supervised step is one optimizer step on `train.batch_size` rows.")
     lr: float = Field(default=1e-5, gt=0, description="The actor's AdamW learning rate (after warm-up).")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW `[beta1, beta2]`, each in [0, 1).")
     warmup_steps: int = Field(
         default=0, ge=0,
-        description="Linear learning-rate warm-up, in optimizer steps (not RL steps); 0: none.")
+        description="Linear learning-rate warm-up, in optimizer steps (an RL step makes "
+                    "`train.optimizer_steps_per_step` of them, a supervised step one); 0: none.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         default="constant",
         description="The learning rate after warm-up: `constant`, or `cosine`, which decays to 0 at the last "
@@ -243,21 +247,9 @@ class TrainConfig(Strict):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Clip gradients to this global norm.")
     train_micro_batch_size: int = Field(
         default=32, gt=0,
-        description="Samples per forward/backward pass (per data-parallel rank). Gradients accumulate and "
+        description="Sequences per forward/backward pass (per data-parallel rank). Gradients accumulate and "
                     "the loss is normalized over the whole mini-batch, so it never changes the update, only "
                     "memory and speed.")
-    optimizer_steps_per_step: int = Field(
-        default=1, gt=0,
-        description="Mini-batches, i.e. optimizer steps, per RL step (PPO epochs of 1); > 1 recomputes the "
-                    "old logprobs so PPO ratios are exact.")
-    critic_lr: float = Field(
-        default=1e-5, gt=0,
-        description="The critic's AdamW learning rate (`algorithm.advantage: gae`); same warm-up and "
-                    "schedule as the actor.")
-    critic_warmup_steps: int = Field(
-        default=0, ge=0,
-        description="RL steps at the start that train only the critic while the actor stays frozen "
-                    "(`advantage: gae`; must be < `train.steps`).")
     on_nonfinite: Literal["stop", "skip_step"] = Field(
         default="stop",
         description="A non-finite loss or gradient norm: `stop` ends the run with one line before the bad "
@@ -272,14 +264,26 @@ class TrainConfig(Strict):
         return betas
 
 
-class EvalConfig(Strict):
-    every_steps: int = Field(
-        default=10, ge=0,
-        description="Greedy eval on `data.eval` every N steps, and always before the first and after the "
-                    "last step; 0: only those two.")
-    max_new_tokens: int | None = Field(
-        default=None, gt=0,
-        description="Response length limit of the eval, in tokens; `null`: `rollout.max_new_tokens`.")
+class TrainConfig(TrainFields):
+    """An RL pipeline's `train` section."""
+
+    optimizer_steps_per_step: int = Field(
+        default=1, gt=0,
+        description="Mini-batches, i.e. optimizer steps, per RL step (PPO epochs of 1); > 1 recomputes the "
+                    "old logprobs so PPO ratios are exact.")
+    critic_lr: float = Field(
+        default=1e-5, gt=0,
+        description="The critic's AdamW learning rate (`algorithm.advantage: gae`); same warm-up and "
+                    "schedule as the actor.")
+    critic_warmup_steps: int = Field(
+        default=0, ge=0,
+        description="RL steps at the start that train only the critic while the actor stays frozen "
+                    "(`advantage: gae`; must be < `train.steps`).")
+
+
+class GroupByFields(Strict):
+    """`eval.group_by`: the greedy eval's accuracy broken down by eval dataset columns."""
+
     group_by: list[str] = Field(
         default=[],
         description="Eval dataset columns to break the greedy accuracy down by: per value V of column C, "
@@ -291,6 +295,23 @@ class EvalConfig(Strict):
     @classmethod
     def _plain_columns(cls, columns: list[str]) -> list[str]:
         return plain_group_by_columns(columns)
+
+
+class EvalFields(Strict):
+    """The `eval` key every pipeline shares."""
+
+    every_steps: int = Field(
+        default=10, ge=0,
+        description="Greedy eval every N steps, and always before the first and after the last step; 0: only "
+                    "those two.")
+
+
+class EvalConfig(GroupByFields, EvalFields):
+    """RLVR's `eval` section: the greedy eval on `data.eval`."""
+
+    max_new_tokens: int | None = Field(
+        default=None, gt=0,
+        description="Response length limit of the eval, in tokens; `null`: `rollout.max_new_tokens`.")
 
 
 class RoleConfig(Strict):

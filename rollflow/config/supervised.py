@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from rollflow.algorithms import check_hyperparams
-from rollflow.algorithms.distillation import DIVERGENCES
-from rollflow.algorithms.preference import PREFERENCE_LOSSES
+from rollflow.algorithms.registries import DIVERGENCES, PREFERENCE_LOSSES, check_options
 from rollflow.config.rlvr import RewardConfig, RewardFunctionConfig
-from rollflow.config.sections import IMAGE_KEY_DOC, DatasetConfig, RunConfigBase, Strict
-from rollflow.config.values import plain_group_by_columns
+from rollflow.config.sections import (
+    IMAGE_KEY_DOC,
+    DatasetConfig,
+    EvalFields,
+    GroupByFields,
+    RunConfigBase,
+    Strict,
+    TrainFields,
+)
 
 
 class SupervisedDataConfig(Strict):
@@ -94,10 +99,13 @@ class PreferenceDataConfig(SupervisedDataConfig):
     rejected_key: str = Field(default="rejected", description="The column holding the dispreferred response.")
 
 
-class SupervisedTrainConfig(Strict):
+class SupervisedTrainConfig(TrainFields):
+    """A supervised pipeline's `train` section (SFT, DPO, distillation)."""
+
     steps: int = Field(
         default=100, gt=0,
         description="Optimizer steps of the run; each trains on `batch_size` rows. Set this or `epochs`.")
+    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate (after warm-up).")
     epochs: int | None = Field(
         default=None, gt=0,
         description="Passes over the training rows instead of `steps`: steps = epochs × (rows ÷ `batch_size`), "
@@ -105,20 +113,6 @@ class SupervisedTrainConfig(Strict):
     batch_size: int = Field(
         default=64, gt=0,
         description="Rows per optimizer step (over all data-parallel ranks; a DPO row is one pair).")
-    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate (after warm-up).")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW `[beta1, beta2]`, each in [0, 1).")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        default="constant", description="After warm-up: `constant`, or `cosine` decay to 0 at the last step.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Clip gradients to this global norm.")
-    train_micro_batch_size: int = Field(
-        default=32, gt=0,
-        description="Sequences per forward/backward pass (per rank): gradient accumulation. It changes memory "
-                    "and speed, never the update.")
-    on_nonfinite: Literal["stop", "skip_step"] = Field(
-        default="stop",
-        description="A non-finite loss or gradient norm: `stop` the run, or `skip_step` (drop that update).")
     stop_at_accuracy: float | None = Field(
         default=None, gt=0, le=1,
         description="End the run at the first greedy eval whose accuracy reaches this (and save it there): the "
@@ -144,12 +138,13 @@ class SupervisedTrainConfig(Strict):
     def _steps_or_epochs(self) -> SupervisedTrainConfig:
         if self.epochs is not None and "steps" in self.model_fields_set:
             raise ValueError("set train.steps or train.epochs, not both")
-        if not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError("AdamW betas must each be in [0, 1) (torch's AdamW refuses others)")
         return self
 
 
-class SupervisedEvalConfig(Strict):
+class SupervisedEvalConfig(GroupByFields, EvalFields):
+    """A supervised pipeline's `eval` section: the loss on `data.eval`, and with `greedy_accuracy` the greedy
+    eval (which `group_by` breaks down)."""
+
     every_steps: int = Field(
         default=50, ge=0,
         description="Eval on `data.eval` every N steps, and before the first and after the last step; 0: only "
@@ -159,16 +154,6 @@ class SupervisedEvalConfig(Strict):
         description="Also decode the eval rows' prompts greedily on an `actor_infer` engine and score them with "
                     "`reward` (`eval/accuracy`); starts the engine role.")
     max_new_tokens: int = Field(default=32, gt=0, description="Response length limit of the greedy eval.")
-    group_by: list[str] = Field(
-        default=[],
-        description="With `eval.greedy_accuracy`: `data.eval` columns to break the greedy accuracy down by, "
-                    "`eval/C=V/accuracy` and `eval/C=V/samples` per value V of column C, printed in the run's "
-                    "last lines (as RLVR's `eval.group_by`). Every eval row must have each column.")
-
-    @field_validator("group_by")
-    @classmethod
-    def _plain_columns(cls, columns: list[str]) -> list[str]:
-        return plain_group_by_columns(columns)
 
 
 class SupervisedRunConfig(RunConfigBase):
@@ -247,7 +232,7 @@ class DPOSettings(Strict):
         kwargs = {"beta": self.beta}
         if self.loss != "ipo":
             kwargs["label_smoothing"] = self.label_smoothing
-        check_hyperparams(PREFERENCE_LOSSES.get(self.loss), kwargs)
+        check_options(PREFERENCE_LOSSES, self.loss, kwargs)
         return kwargs
 
 
@@ -289,7 +274,7 @@ class DistillSettings(Strict):
     def _known_divergence(self) -> DistillSettings:
         if self.divergence not in DIVERGENCES:
             raise ValueError(DIVERGENCES.unknown_message(self.divergence))
-        check_hyperparams(DIVERGENCES.get(self.divergence), self.divergence_kwargs)
+        check_options(DIVERGENCES, self.divergence, self.divergence_kwargs)
         return self
 
 

@@ -40,13 +40,14 @@ def test_settings_reject_contradictions_and_unknown_schedules():
 
 
 def test_base_module_imports_only_the_standard_library_and_torch():
-    """The config module imports `rollflow.backends.base`; nothing heavy or upward may come with it."""
+    """Every backend and worker imports `rollflow.backends.base`; nothing heavy or upward may come with it
+    (the config imports `rollflow.backends.settings`, which imports no torch: tests/config/test_without_torch.py)."""
     code = ("import sys, rollflow.backends.base\n"
             "print(sorted(m for m in sys.modules if m.startswith(('rollflow', 'transformers', 'peft', "
             "'torch.distributed.fsdp', 'safetensors'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == str(["rollflow", "rollflow.backends", "rollflow.backends.base", "rollflow.errors",
-                                  "rollflow.registry"])
+    assert loaded.strip() == str(["rollflow", "rollflow.backends", "rollflow.backends.base",
+                                  "rollflow.backends.settings", "rollflow.errors", "rollflow.registry"])
 
 
 def test_backend_kwargs_are_the_backend_class_keywords():

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-from rollflow.algorithms.agentic import TURN_LEVEL_LOSSES
+from rollflow.algorithms.registries import TURN_LEVEL_LOSSES
 from rollflow.config import RunConfig, load_config, pipeline_of
 from rollflow.models import resolve_model_path
 from rollflow.pipelines.rlvr import run_rlvr

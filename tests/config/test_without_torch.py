@@ -1,0 +1,91 @@
+"""The config loads and checks without torch: every example config in a process that cannot import torch, numpy,
+transformers or Ray; and the algorithm registries that make it possible (names and options read from their
+modules' source) say what importing those modules registers."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollflow.algorithms import registries
+from rollflow.backends import BACKENDS, backend_class, backend_kwarg_names
+from rollflow.registry import Options, Registry
+
+REPO = Path(__file__).resolve().parents[2]
+
+BLOCKED = """
+import glob, sys
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy", "transformers", "ray"):
+            raise ImportError(f"the config imported {name}")
+
+sys.meta_path.insert(0, Blocked())
+from rollflow.config import load_config
+from rollflow.errors import ConfigError
+
+paths = sorted(glob.glob("examples/**/*.yaml", recursive=True))
+for path in paths:
+    load_config(path)
+for path, override in [("examples/quickstart.yaml", "algorithm.policy_loss_kwargs={clip_hi: 0.3}"),
+                       ("examples/gpu/grpo_qwen2.5_0.5b_gsm8k.yaml",
+                        "roles.actor_train.backend_kwargs={mixed_precison: bf16}")]:
+    try:
+        load_config(path, [override])
+    except ConfigError as error:
+        print(error)
+print(len(paths), "configs")
+"""
+
+
+def test_every_example_config_loads_without_torch():
+    done = subprocess.run([sys.executable, "-c", BLOCKED], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    option_error, backend_error, count = done.stdout.splitlines()
+    assert "unknown option 'clip_hi' for policy loss 'ppo'; did you mean 'clip_high'?" in option_error
+    assert "did you mean 'mixed_precision' for 'mixed_precison'?" in backend_error
+    assert int(count.split()[0]) >= 30  # examples/ and its folders (gpu/ sets fsdp2's backend_kwargs)
+
+
+REGISTRIES = [value for value in vars(registries).values() if isinstance(value, Registry)]
+
+
+@pytest.mark.parametrize("registry", REGISTRIES, ids=lambda registry: registry.declared_as)
+def test_what_the_source_declares_is_what_importing_registers(registry):
+    declared = registry.declarations()
+    assert declared, "a registry the config checks is filled from source"
+    for name, declaration in declared.items():
+        fn = registry.get(name)  # imports its module
+        assert fn.__name__ == declaration.function and fn.__module__ == declaration.module
+        assert Options.of(fn) == declaration.options, name
+    assert set(registry._entries) == set(declared)  # nothing registered that the source does not show
+
+
+@pytest.mark.parametrize("name", BACKENDS.names())
+def test_a_backend_s_kwargs_read_from_source_are_its_constructor_s(name):
+    parameters = inspect.signature(backend_class(name)).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    assert backend_kwarg_names(name) == [p.name for p in parameters if p.kind in named and p.name != "settings"]
+
+
+def test_options_from_source_match_the_signature():
+    import ast
+
+    source = "def f(a, b=1, *, c, d=2, **rest): pass\ndef g(x, /, y=1, *args, z=3): pass"
+    f, g = ast.parse(source).body
+
+    def f_(a, b=1, *, c, d=2, **rest): ...
+    def g_(x, /, y=1, *args, z=3): ...
+
+    assert Options.from_source(f) == Options.of(f_) == Options(("b", "c", "d"), ("c",), True)
+    assert Options.from_source(g) == Options.of(g_) == Options(("y", "z"), (), False)
+
+
+def test_a_registry_declared_in_modules_needs_the_name_its_decorators_use():
+    with pytest.raises(ValueError, match="declared_as"):
+        Registry("thing", declared_in=("rollflow.algorithms.kl",))
