@@ -198,3 +198,32 @@ def pair_weights(
         losses = loss_fn(chosen, rejected, **kwargs)  # [N]
         coef_chosen, coef_rejected = torch.autograd.grad(losses.sum(), (chosen, rejected))
     return coef_chosen.detach(), coef_rejected.detach(), losses.detach()
+
+
+def pair_logratios(policy: Tensor, reference: Tensor) -> tuple[Tensor, Tensor]:
+    """[B] sequence log-probs of rows that alternate chosen, rejected -> ([N] chosen, [N] rejected) log-ratios
+    log pi - log pi_ref."""
+    if policy.shape[0] % 2:
+        raise ValueError(f"a preference batch alternates chosen and rejected rows; got {policy.shape[0]} rows")
+    ratios = policy - reference  # [B]
+    return ratios[0::2], ratios[1::2]
+
+
+class PairLogratios:
+    """The chosen and rejected log-ratios of preference pairs, gathered batch by batch (an eval in chunks),
+    then their `preference_metrics`."""
+
+    def __init__(self):
+        self.chosen: list[Tensor] = []
+        self.rejected: list[Tensor] = []
+
+    def add(self, policy: Tensor, reference: Tensor, mask: Tensor) -> None:
+        """[B, T] token log-probs of the policy and the reference on rows that alternate chosen, rejected;
+        `mask` [B, T] the trained tokens."""
+        chosen, rejected = pair_logratios(sequence_logprob_sums(policy, mask), sequence_logprob_sums(reference, mask))
+        self.chosen.append(chosen)
+        self.rejected.append(rejected)
+
+    def metrics(self, beta: float) -> dict[str, float]:
+        return preference_metrics(torch.cat(self.chosen), torch.cat(self.rejected), beta)
+

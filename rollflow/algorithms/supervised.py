@@ -1,4 +1,5 @@
-"""Supervised objectives: the per-token negative log-likelihood of target tokens (SFT)."""
+"""Supervised objectives: the per-token negative log-likelihood of target tokens (SFT), and its mean over an
+eval's batches."""
 
 from __future__ import annotations
 
@@ -23,3 +24,21 @@ def token_nll(logits: Tensor, tokens: Tensor) -> Tensor:
     flat = torch.nn.functional.cross_entropy(logits.reshape(batch * width, vocab).float(),
                                              tokens.reshape(batch * width), reduction="none")  # [B * T]
     return flat.view(batch, width)  # [B, T]
+
+
+class MeanTokenNLL:
+    """The negative log-likelihood per trained token over batches (an eval in chunks)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self.tokens = 0.0
+
+    def add(self, logprobs: Tensor, mask: Tensor) -> None:
+        """[B, T] token log-probs and the [B, T] mask of the tokens that count."""
+        self.total -= float((logprobs * mask).sum())
+        self.tokens += float(mask.sum())
+
+    @property
+    def value(self) -> float:
+        return self.total / max(self.tokens, 1.0)
+

@@ -26,6 +26,41 @@ class SampleStatus(str, enum.Enum):
     FILTERED = "filtered"  # dropped by a filter (the difficulty mask; dynamic sampling, length)
 
 
+@dataclass(frozen=True)
+class TurnSpan:
+    """One turn of a multi-turn episode in a sample's response: the model's tokens of turn `turn` (0 first) are
+    `response_ids[start:end]` (the observation tokens between turns belong to no span)."""
+
+    turn: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class EpisodeInfo:
+    """What the samples of one multi-turn episode share, beside their reward (the episode's return), group id
+    and step rewards.
+
+    Attributes:
+        key: (group id, slot): the episode's samples (one, or one per turn) share it.
+        anchors: each turn's state, turn by turn (GiGPO's step groups gather equal ones).
+    """
+
+    key: tuple[int, int]
+    anchors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    """One episode of a batch (`Batch.episodes`): what the episode advantages need of it."""
+
+    key: tuple[int, int]
+    group_id: int
+    episode_return: float
+    step_rewards: tuple[float, ...]
+    anchors: tuple[str, ...]
+
+
 @dataclass
 class Sample:
     """One generated sequence (RLVR) or trajectory (agentic).
@@ -45,9 +80,15 @@ class Sample:
         status: how generation ended.
         prompt_text / response_text: decoded text, for rewards and logs.
         row: the dataset row (answer and any extra columns), passed to reward functions.
-        metadata: free-form extras (request id, timings, finish reason, ...).
+        metadata: free-form extras for logs and metrics (request id, timings, finish reason, an episode's
+            counters, ...); nothing that becomes a tensor.
         vision: the prompt's images as the processor made them (`VisionInputs`: pixel values, grids), the
             tensors the engine prefilled with and the trainer recomputes logprobs with; None: text only.
+        episode: the multi-turn episode the sample is (part of); None for a single-turn sample.
+        turn_spans: where each of the episode's turns this sample holds sits in `response_ids` (a trajectory:
+            every turn; a step sample: its one turn, spanning the whole response).
+        ce_mask: supervised distillation on prompts: 1 on the response tokens the cross-entropy term trains on
+            (the original response's), 0 on the prompt moved into the response; empty: every trained token.
     """
 
     prompt_ids: list[int]
@@ -66,12 +107,15 @@ class Sample:
     row: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     vision: VisionInputs | None = None
+    episode: EpisodeInfo | None = None
+    turn_spans: list[TurnSpan] = field(default_factory=list)
+    ce_mask: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if not self.loss_mask:
             self.loss_mask = [1] * n
-        for name in ("response_logprobs", "loss_mask", "policy_versions"):
+        for name in ("response_logprobs", "loss_mask", "policy_versions", "ce_mask"):
             value = getattr(self, name)
             if value and len(value) != n:
                 raise ValueError(f"Sample.{name} has {len(value)} entries for {n} response tokens")
@@ -102,11 +146,18 @@ class Batch:
         response_lengths: [B] number of response tokens (model and env), before padding.
         truncated: [B] bool, the response hit the length limit.
         prompt_length: P.
-        extras: other [B] / [B, T] tensors added later (advantages, old_logprobs, ref_logprobs, values).
+        extras: other [B] / [B, T] tensors: those `collate` makes of multi-turn samples (`segment_ids` [B, T]:
+            the index of each model token's turn among its sample's turns, -1 elsewhere, for `ipa_chunk`;
+            `turn_ids` [B, T]: its turn's number in the episode, -1 elsewhere; `episode_index` [B]: each row's
+            episode in `episodes`) and of distillation samples (`ce_mask` [B, T]), then those the step adds
+            (advantages, old_logprobs, ref_logprobs, values).
         domain_ids: [B] long, each sample's domain as an index into `domain_names`; None: not known.
         domain_names: the domains of the batch, sorted (the names of `domain_ids`).
         vision: each row's `VisionInputs` (None for a row without images); None when no row has images.
             Rows select with the others; `vision_tensors` joins them for the model.
+        episodes: the multi-turn episodes of the rows, in the order their first row comes
+            (`extras["episode_index"]` indexes it; a selection of rows keeps them all); empty for single-turn
+            samples.
     """
 
     input_ids: torch.Tensor
@@ -124,6 +175,7 @@ class Batch:
     domain_ids: torch.Tensor | None = None
     domain_names: tuple[str, ...] = ()
     vision: list[VisionInputs | None] | None = None
+    episodes: tuple[EpisodeRow, ...] = ()
 
     @property
     def size(self) -> int:
@@ -171,7 +223,7 @@ class Batch:
         return Batch(**fields, prompt_length=self.prompt_length,
                      extras={k: v[index] for k, v in self.extras.items()},
                      domain_ids=None if self.domain_ids is None else self.domain_ids[index],
-                     domain_names=self.domain_names, vision=vision)
+                     domain_names=self.domain_names, vision=vision, episodes=self.episodes)
 
     def vision_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """([patches, D] pixel values, [images, 3] grids) of the rows' images in row order (`stack_vision`);
@@ -289,6 +341,10 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     policy_versions = torch.tensor(versions, dtype=torch.long)  # [B, T]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T]
     domain_names = tuple(sorted({s.domain for s in samples}))
+    extras, episodes = _turn_tensors(samples, response_width)
+    if any(s.ce_mask for s in samples):
+        extras["ce_mask"] = torch.tensor([_response_row(s.ce_mask, len(s.response_ids), response_width, 0, "ce_mask")
+                                          for s in samples], dtype=torch.float32)  # [B, T]
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -304,4 +360,31 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
         domain_ids=torch.tensor([domain_names.index(s.domain) for s in samples], dtype=torch.long),
         domain_names=domain_names,
         vision=[s.vision for s in samples] if any(s.vision is not None for s in samples) else None,
+        extras=extras,
+        episodes=episodes,
     )
+
+
+def _turn_tensors(samples: list[Sample], width: int) -> tuple[dict[str, torch.Tensor], tuple[EpisodeRow, ...]]:
+    """The multi-turn extras of `collate` (`segment_ids`, `turn_ids` [B, T], `episode_index` [B]) and the
+    batch's episodes; nothing when no sample is part of an episode."""
+    if all(s.episode is None for s in samples):
+        return {}, ()
+    segments = torch.full((len(samples), width), -1, dtype=torch.long)  # [B, T]
+    turns = torch.full((len(samples), width), -1, dtype=torch.long)  # [B, T]
+    index: dict[tuple[int, int], int] = {}
+    episodes, rows = [], []
+    for row, sample in enumerate(samples):
+        if sample.episode is None:
+            raise ValueError("collate got single-turn samples beside multi-turn ones")
+        key = sample.episode.key
+        if key not in index:
+            index[key] = len(episodes)
+            episodes.append(EpisodeRow(key, sample.group_id, float(sample.reward), tuple(sample.step_rewards),
+                                       sample.episode.anchors))
+        rows.append(index[key])
+        for number, span in enumerate(sample.turn_spans):
+            segments[row, span.start:span.end] = number
+            turns[row, span.start:span.end] = span.turn
+    extras = {"segment_ids": segments, "turn_ids": turns, "episode_index": torch.tensor(rows, dtype=torch.long)}
+    return extras, tuple(episodes)

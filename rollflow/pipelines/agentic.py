@@ -14,7 +14,7 @@ from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import Batch, Sample, SampleStatus
+from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
 from rollflow.inputs.prompt_sets import check_no_vision_critic, run_context_length, vision_processor
@@ -94,7 +94,7 @@ class AgenticStep(RLStep):
         return self.tokenizer.pad_token_id
 
     def build_advantages(self) -> EpisodeAdvantages:
-        return EpisodeAdvantages(self.config.algorithm, self.config.rollout.samples)
+        return EpisodeAdvantages(self.config.algorithm)
 
     def build_core(self, groups: WorkerGroups) -> RolloutCore:
         """One env made and reset (`check_envs`) before anything is played, its tools (if any) rendered into the
@@ -112,9 +112,6 @@ class AgenticStep(RLStep):
         self.eval_program = core.program.for_eval(self.greedy)
         return core
 
-    def compute_advantages(self, batch: Batch, samples: list[Sample]) -> dict[str, float]:
-        return self.advantages(batch, samples)
-
     def evaluate(self, step: int) -> dict[str, float]:
         return evaluate(self.core, self.eval_program, self.colocation, self.eval_seeds, f"eval at step {step}",
                         self.errors, self.context_warning)
@@ -131,7 +128,7 @@ class AgenticStep(RLStep):
         samples = usable(result.samples)
         if not samples:  # nothing to train on: say why, do not go on as if it were a step
             write_samples(self.config.run_dir / "samples.jsonl", step, failed_logged, len(failed_logged))
-            played = {s.metadata["episode"] for s in result.samples if s.status == SampleStatus.FILTERED}
+            played = {s.episode.key for s in result.samples if s.status == SampleStatus.FILTERED}
             raise no_episodes_error(f"step {step}", failed, len(played), self.config.rollout.group_size)
         warn(self.errors.lines(f"step {step}", failed))
         warn(self.context_warning.lines(f"step {step}", samples))
@@ -261,7 +258,7 @@ def evaluate(core: RolloutCore, program: EnvGroups, colocation: ColocationManage
     with span("eval"):
         samples = core.evaluate(seeds, program)
     failed = [sample for sample in samples if sample.status == SampleStatus.FAILED]
-    if len(failed) == len({s.metadata["episode"] for s in samples}):
+    if len(failed) == len({s.episode.key for s in samples}):
         raise no_episodes_error(where, failed, 0, 1)
     warn(errors.lines(where, failed))
     if context is not None:

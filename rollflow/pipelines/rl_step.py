@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
@@ -39,6 +39,22 @@ PHASES: dict[str, tuple[str, ...]] = {
 }
 
 
+class AdvantageStep(Protocol):
+    """An RL pipeline's advantage stage (`AdvantageStage` for RLVR, `EpisodeAdvantages` for agentic runs)."""
+
+    needs_policy_logprobs: bool  # the trainer's logprobs (`old_logprobs`) come first
+
+    def __call__(self, batch: Batch) -> dict[str, float]:
+        """Fill `batch.extras["advantages"]` (and `returns` where a critic trains); return its metrics."""
+        ...
+
+    def state(self) -> dict | None:
+        """What a checkpoint keeps of it (running statistics), or None."""
+        ...
+
+    def load_state(self, state: dict | None) -> None: ...
+
+
 @dataclass
 class StepSamples:
     """A step's rollout: the samples it trains on, and those `samples.jsonl` gets."""
@@ -50,12 +66,12 @@ class StepSamples:
 class RLStep(StepDefaults):
     """The shared RL step (the module docstring). Subclasses set `columns` and `plot_keys` and implement
     `roles`, `check_inputs`, `build_core`, `build_advantages`, `checked`, `evaluate` and `pad_token_id`;
-    they may override `compute_advantages`, `resume_note`, `logged_samples` and `summary_lines`.
+    they may override `resume_note`, `logged_samples` and `summary_lines`.
 
     Attributes:
         core: the rollout core (`start` builds it).
         version: the version of the weights the engines hold.
-        advantages: the advantage stage (`build_advantages`): `needs_policy_logprobs`, called on a batch.
+        advantages: the advantage stage (`build_advantages`, an `AdvantageStep`).
     """
 
     objective = "policy_gradient"
@@ -78,17 +94,14 @@ class RLStep(StepDefaults):
         """The run's rollout core over `groups` (once the workers are up and checked)."""
         raise NotImplementedError
 
-    def build_advantages(self) -> Any:
-        """The advantage stage: called on a batch (`compute_advantages`), with `needs_policy_logprobs`."""
+    def build_advantages(self) -> AdvantageStep:
+        """The advantage stage of the run."""
         raise NotImplementedError
 
     def checked(self, step: int, result: RolloutResult) -> tuple[StepSamples, dict[str, float]]:
         """The core's batch for `step` made into what the step trains on and logs, with its metrics (failures
         raised or warned of as the pipeline says)."""
         raise NotImplementedError
-
-    def compute_advantages(self, batch: Batch, samples: list[Sample]) -> dict[str, float]:
-        return self.advantages(batch)
 
     def resume_note(self, regenerated: int) -> str:
         """The `resumed` line's note: the keys drawn but not trained before the checkpoint, played again."""
@@ -111,8 +124,7 @@ class RLStep(StepDefaults):
         if "critic" in groups:
             groups["critic"].call("load", str(checkpoint / "critic"), state["step"])
         regenerated = self.core.load_state(core_state(state))
-        if hasattr(self.advantages, "load_state"):
-            self.advantages.load_state(state.get("advantage_stage"))
+        self.advantages.load_state(state.get("advantage_stage"))
         self.version = sync_weights(groups, self.colocation, *self.sync_args)["sync/version"]
         return self.resume_note(regenerated)
 
@@ -120,8 +132,9 @@ class RLStep(StepDefaults):
         """The driver's part of a checkpoint after `step`: the step, the core's position (with the keys drawn
         but not trained yet, which a resume plays again) and the advantage statistics."""
         state = {"step": step, "stream": self.core.state(), "initial_eval": initial_eval}
-        if hasattr(self.advantages, "state"):
-            state["advantage_stage"] = self.advantages.state()
+        advantage_state = self.advantages.state()
+        if advantage_state is not None:
+            state["advantage_stage"] = advantage_state
         return state
 
     def rollout(self, step: int) -> tuple[StepSamples, dict[str, float]]:
@@ -143,7 +156,7 @@ class RLStep(StepDefaults):
             return {}
         config = self.config
         batch = collate(work.usable, self.pad_token_id)
-        metrics = self.update(batch, work.usable, step)
+        metrics = self.update(batch, step)
         self.syncs += 1
         corrupt = self.syncs == config.checks.fault_injection_flip_sync_byte_at
         metrics.update(sync_weights(self.groups, self.colocation, *self.sync_args, corrupt))
@@ -151,7 +164,7 @@ class RLStep(StepDefaults):
         self.core.weights_updated()
         return metrics
 
-    def update(self, batch: Batch, samples: list[Sample], step: int) -> dict[str, float]:
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
         """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
         config, groups, colocation = self.config, self.groups, self.colocation
         actor = groups["actor_train"]
@@ -168,7 +181,7 @@ class RLStep(StepDefaults):
             with span("values"):
                 batch.extras["values"] = groups["critic"].call("compute_values", batch)
         with span("advantages"):
-            metrics = self.compute_advantages(batch, samples)
+            metrics = self.advantages(batch)
         if "critic" in groups:
             colocation.enter("critic_train")
             with span("critic_train"):

@@ -18,9 +18,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from rollflow.algorithms.preference import preference_metrics, sequence_logprob_sums
+from rollflow.algorithms.preference import PairLogratios
+from rollflow.algorithms.supervised import MeanTokenNLL
 from rollflow.backends.base import unpack_top_k
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
@@ -41,7 +40,6 @@ from rollflow.pipelines.phases import (
 from rollflow.spans import span
 from rollflow.trackers.durable_files import write_failure_as_error
 from rollflow.trackers.trackers import DPO_COLUMNS, SUPERVISED_COLUMNS
-from rollflow.workers.objectives import pair_logratios
 from rollflow.workers.roles import forward_rows
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -179,13 +177,11 @@ class SupervisedStep(StepDefaults):
     def eval_losses(self, items: list[Item]) -> dict[str, float]:
         """`eval/` loss metrics of `items` (not empty): the NLL of the responses per token."""
         self.colocation.enter("train")
-        total, tokens = 0.0, 0.0
+        nll = MeanTokenNLL()
         for start in range(0, len(items), EVAL_BATCH_ROWS):
             batch = collate(items[start: start + EVAL_BATCH_ROWS], self.pad)
-            logprobs = self.groups["actor_train"].call("compute_logprobs", batch)  # [b, T]
-            total -= float((logprobs * batch.response_mask).sum())
-            tokens += float(batch.response_mask.sum())
-        return {"eval/loss": total / max(tokens, 1.0)}
+            nll.add(self.groups["actor_train"].call("compute_logprobs", batch), batch.response_mask)  # [b, T]
+        return {"eval/loss": nll.value}
 
     def evaluate_splits(self, step: int, validation: bool = True, keep_samples: bool = True) -> dict[str, float]:
         """`eval/` metrics on the eval rows (the test set) and, with `validation`, `val/` metrics on the validation
@@ -237,19 +233,14 @@ class DPOStep(SupervisedStep):
 
     def eval_losses(self, items: list[Item]) -> dict[str, float]:
         """The preference metrics of the pairs against the reference, as `eval/dpo/...`."""
-        chosen, rejected = [], []
+        pairs = PairLogratios()
         for start in range(0, len(items), EVAL_BATCH_ROWS // 2):
             batch = collate([s for pair in items[start: start + EVAL_BATCH_ROWS // 2] for s in pair], self.pad)
             reference = reference_logprobs(batch, self.groups, self.colocation, self.config.roles.reference.backend,
                                            "train")
             self.colocation.enter("train")
-            policy = self.groups["actor_train"].call("compute_logprobs", batch)
-            pair = pair_logratios(sequence_logprob_sums(policy, batch.response_mask),
-                                  sequence_logprob_sums(reference, batch.response_mask))
-            chosen.append(pair[0])
-            rejected.append(pair[1])
-        found = preference_metrics(torch.cat(chosen), torch.cat(rejected), self.config.dpo.beta)
-        return {f"eval/{key}": value for key, value in found.items()}
+            pairs.add(self.groups["actor_train"].call("compute_logprobs", batch), reference, batch.response_mask)
+        return {f"eval/{key}": value for key, value in pairs.metrics(self.config.dpo.beta).items()}
 
 
 class DistillStep(SupervisedStep):
@@ -265,9 +256,7 @@ class DistillStep(SupervisedStep):
         """The samples with the teacher's top-k log-probs (`teacher_ids`, `teacher_logprobs`)."""
         settings = self.config.distill
         samples = [prompt_distillation_sample(s) for s in items] if settings.on_prompts else items
-        batch = collate(samples, self.pad)
-        if settings.on_prompts:
-            batch.extras["ce_mask"] = response_column_mask(samples, batch)
+        batch = collate(samples, self.pad)  # with `ce_mask` on prompts
         self.colocation.enter("reference")
         packed = forward_rows(self.groups["reference"], self.config.roles.reference.backend, "compute_top_k", batch,
                               settings.top_k, settings.temperature)  # [B, T, 2k]
@@ -293,22 +282,13 @@ def batches_per_epoch(num_rows: int, batch_size: int) -> int:
 
 def prompt_distillation_sample(sample: Sample) -> Sample:
     """The sample with its prompt moved into the response (all but the first token, which nothing predicts),
-    so the KD term covers the prompt too; `metadata["ce_mask"]` keeps the tokens CE trains on (the old
-    response's trained tokens)."""
+    so the KD term covers the prompt too; `ce_mask` keeps the tokens CE trains on (the old response's trained
+    tokens)."""
     moved = sample.prompt_ids[1:]
     return dataclasses.replace(
         sample, prompt_ids=sample.prompt_ids[:1], response_ids=moved + sample.response_ids,
         loss_mask=[1] * (len(moved) + len(sample.response_ids)), response_logprobs=[], policy_versions=[],
-        metadata={**sample.metadata, "ce_mask": [0] * len(moved) + list(sample.loss_mask)})
-
-
-def response_column_mask(samples: list[Sample], batch: Batch) -> torch.Tensor:
-    """[B, T] float: each sample's `metadata["ce_mask"]` in the batch's response columns."""
-    mask = torch.zeros_like(batch.response_mask)
-    for row, sample in enumerate(samples):
-        values = sample.metadata["ce_mask"]
-        mask[row, : len(values)] = torch.tensor(values, dtype=mask.dtype)
-    return mask
+        ce_mask=[0] * len(moved) + list(sample.loss_mask))
 
 
 def reached_target(config, metrics: dict[str, float]) -> str:

@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from rollflow.data.sample import Sample, SampleStatus
+from rollflow.data.sample import EpisodeInfo, Sample, SampleStatus, TurnSpan
 from rollflow.errors import StepFailedError
 
 # Counters an env may put in a reply's info, summed per episode: a tool-use env's `tool_calls`, `tool_errors` and
@@ -123,19 +121,19 @@ class Episode:
 def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[Sample]:
     """The samples of a group's kept episodes: one per episode (`trajectory`) or one per turn (`step`).
 
-    Each carries what the agentic advantages and metrics read, in `metadata`: `episode` (group id, slot),
-    `anchors` (the state of each turn), `spans` (trajectory: [start, end) of each turn's tokens in the
-    response), `turn` (step: which turn it is), `success`, `seed`, `turns`, `invalid_actions`, `env_seconds`,
-    `prefix_reused_tokens`, `turn_prompt_tokens`, `first_prompt_tokens` and `context_full` (the prompt tokens
-    its next turn did not fit after, 0 if none); `step_rewards` holds every turn's reward and `reward` the
-    episode return.
+    Each carries what the agentic advantages read, typed: `episode` (its key (group id, slot) and each turn's
+    anchor state), `turn_spans` (trajectory: every turn's tokens in the response; step: its one turn),
+    `step_rewards` (every turn's reward) and `reward` (the episode's return); and in `metadata` what the
+    metrics read: `success`, `seed`, `turns`, `invalid_actions`, `env_seconds`, `prefix_reused_tokens`,
+    `turn_prompt_tokens`, `first_prompt_tokens`, `context_full` (the prompt tokens its next turn did not fit
+    after, 0 if none) and `counters`.
     """
     samples = []
     for episode in episodes:
+        info = EpisodeInfo((group_id, episode.slot), tuple(turn.anchor for turn in episode.turns))
         common = dict(group_id=group_id, reward=episode.episode_return, status=episode.status,
-                      step_rewards=[turn.reward for turn in episode.turns])
-        meta = {"episode": (group_id, episode.slot), "seed": episode.seed, "success": episode.success,
-                "turns": len(episode.turns), "anchors": [turn.anchor for turn in episode.turns],
+                      step_rewards=[turn.reward for turn in episode.turns], episode=info)
+        meta = {"seed": episode.seed, "success": episode.success, "turns": len(episode.turns),
                 "invalid_actions": sum(turn.invalid for turn in episode.turns), "env_seconds": episode.env_seconds,
                 "prefix_reused_tokens": sum(turn.prefix_reused_tokens for turn in episode.turns),
                 "turn_prompt_tokens": sum(len(turn.prompt_ids) for turn in episode.turns),
@@ -146,41 +144,17 @@ def episode_samples(episodes: list[Episode], group_id: int, mode: str) -> list[S
                 prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
                 response_logprobs=episode.response_logprobs, loss_mask=episode.loss_mask,
                 policy_versions=episode.response_versions,
-                response_text=" | ".join(turn.text for turn in episode.turns),
-                metadata={**meta, "spans": list(episode.spans)}, vision=episode.vision, **common))
+                response_text=" | ".join(turn.text for turn in episode.turns), metadata=meta,
+                turn_spans=[TurnSpan(number, start, end) for number, (start, end) in enumerate(episode.spans)],
+                vision=episode.vision, **common))
         else:
             for number, turn in enumerate(episode.turns):
                 samples.append(Sample(
                     prompt_ids=turn.prompt_ids, response_ids=turn.token_ids, response_logprobs=turn.logprobs,
                     loss_mask=[1] * len(turn.token_ids), policy_versions=turn.versions, response_text=turn.text,
-                    metadata={**meta, "turn": number}, vision=turn.vision, **common))
+                    metadata=dict(meta), turn_spans=[TurnSpan(number, 0, len(turn.token_ids))], vision=turn.vision,
+                    **common))
     return [sample for sample in samples if sample.response_ids]
-
-
-def per_token(samples: list[Sample], step_values: dict[tuple, float], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spread one value per (episode, turn) over the tokens of that turn.
-
-    Args:
-        samples: from `episode_samples` (trajectory-wise: `metadata["spans"]`; step-wise: `metadata["turn"]`).
-        step_values: (episode, turn) -> value (an advantage).
-        width: T, the batch's response width.
-
-    Returns:
-        (values [B, T] float: each turn's value on its tokens, 0 elsewhere; segment_ids [B, T] long: the turn
-        index of each model token, -1 on observation and padding tokens).
-    """
-    values = torch.zeros(len(samples), width)
-    segments = torch.full((len(samples), width), -1, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        episode = sample.metadata["episode"]
-        if "spans" in sample.metadata:
-            spans, turns = sample.metadata["spans"], range(len(sample.metadata["spans"]))
-        else:
-            spans, turns = [(0, len(sample.response_ids))], [sample.metadata["turn"]]
-        for number, ((start, end), turn) in enumerate(zip(spans, turns)):
-            values[row, start:end] = step_values[(episode, turn)]
-            segments[row, start:end] = number
-    return values, segments
 
 
 def failed_samples(episodes: list[Episode], group_id: int = -1) -> list[Sample]:
@@ -189,7 +163,8 @@ def failed_samples(episodes: list[Episode], group_id: int = -1) -> list[Sample]:
     return [Sample(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids,
                    response_text=" | ".join(turn.text for turn in episode.turns), group_id=group_id,
                    reward=episode.episode_return, status=SampleStatus.FAILED,
-                   metadata={"episode": (group_id, episode.slot), "seed": episode.seed, "turns": len(episode.turns),
+                   episode=EpisodeInfo((group_id, episode.slot)),
+                   metadata={"seed": episode.seed, "turns": len(episode.turns),
                              "success": False, "error": episode.error, "error_details": episode.error_details,
                              "counters": dict(episode.counters)})
             for episode in episodes]
@@ -200,7 +175,7 @@ def episode_metrics(samples: list[Sample], prefix: str, failed: list[Sample] | N
     time of the episodes that did not fail (`rollout/` or `eval/`), from their samples (one episode's samples
     count once); tool and env-retry counters when the env reports them (`counter_metrics`). `failed`: failed
     episodes left out of `samples`, whose env retries still count."""
-    episodes = list({sample.metadata["episode"]: sample for sample in samples}.values())
+    episodes = list({sample.episode.key: sample for sample in samples}.values())
     if not episodes:
         return {}
     played = [e for e in episodes if e.status != SampleStatus.FAILED]
@@ -332,7 +307,7 @@ class ContextLimitWarning:
         """The warning for the episodes of `where` ("step 3", "eval at step 0"), from their samples
         (`episode_samples`); none when no episode hit the context limit, or after the first warning. `prefix`:
         their metrics' (`rollout`, `eval`)."""
-        episodes = list({s.metadata["episode"]: s for s in samples if s.status != SampleStatus.FAILED}.values())
+        episodes = list({s.episode.key: s for s in samples if s.status != SampleStatus.FAILED}.values())
         cut = [e for e in episodes if e.metadata.get("context_full")]
         if self.warned or not cut:
             return []

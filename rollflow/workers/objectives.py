@@ -28,6 +28,7 @@ from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, token_nll
 from rollflow.algorithms.distillation import DIVERGENCES, distill_token_loss, restrict_to_topk
 from rollflow.algorithms.preference import (
     PREFERENCE_LOSSES,
+    pair_logratios,
     pair_weights,
     preference_metrics,
     sequence_logprob_sums,
@@ -107,15 +108,6 @@ class PreferenceLoss:
         logprobs = token_logprobs(logits, response_tokens(batch))  # [b, t]
         sequence = (logprobs * batch.response_mask).sum(dim=1)  # [b]
         return (batch.extras["sequence_coef"] * sequence).sum(), {}
-
-
-def pair_logratios(policy: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B] sequence log-probs of rows that alternate chosen, rejected -> ([N] chosen, [N] rejected) log-ratios
-    log pi - log pi_ref."""
-    if policy.shape[0] % 2:
-        raise ValueError(f"a preference batch alternates chosen and rejected rows; got {policy.shape[0]} rows")
-    ratios = policy - reference  # [B]
-    return ratios[0::2], ratios[1::2]
 
 
 @OBJECTIVES.register("preference")

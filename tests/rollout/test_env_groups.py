@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config.agentic import AgenticConfig
 from rollflow.data.multiturn import TurnEncoder
-from rollflow.data.sample import SampleStatus, collate
+from rollflow.data.sample import SampleStatus, TurnSpan, collate
 from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.errors import WorkerDiedError
@@ -129,7 +129,8 @@ def test_trajectories_train_on_exactly_the_tokens_the_engine_sampled():
     batch = collate(samples, TOKENIZER.pad_token_id)
     for row, sample in enumerate(samples):
         full = sample.prompt_ids + sample.response_ids
-        spans = sample.metadata["spans"]
+        spans = [(span.start, span.end) for span in sample.turn_spans]
+        assert [span.turn for span in sample.turn_spans] == list(range(5))
         for start, end in spans:
             # every turn's prompt is the trajectory so far (history is never re-tokenized), and its tokens follow
             assert full[:len(sample.prompt_ids) + start] in engine.prompts
@@ -142,7 +143,7 @@ def test_trajectories_train_on_exactly_the_tokens_the_engine_sampled():
     # the text the engine saw is the chat template's rendering of the conversation
     conversation = []
     first = samples[0]
-    for start, _ in first.metadata["spans"]:
+    for start in (span.start for span in first.turn_spans):
         prompt = first.prompt_ids + first.response_ids[:start]
         observation = TOKENIZER.decode(prompt, skip_special_tokens=False).split("<|user|>")[-1]
         conversation += [{"role": "user", "content": observation.removesuffix("<|assistant|>")},
@@ -162,11 +163,11 @@ def test_step_samples_carry_one_turn_each_and_the_advantages_land_on_their_token
     samples = played(result)
     assert len(samples) == 3 * 4 and all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
     second = samples[1]  # turn 1 of episode 0: its prompt holds turn 0 (history_turns 1)
-    assert second.metadata["turn"] == 1
+    assert second.turn_spans == [TurnSpan(1, 0, len(second.response_ids))]
     assert TOKENIZER.decode(second.prompt_ids, skip_special_tokens=False).count("<|user|>") == 2
     batch = collate(samples, TOKENIZER.pad_token_id)
     algorithm = AgenticConfig.model_validate({"algorithm": {"advantage": "step_reinforce"}}).algorithm
-    EpisodeAdvantages(algorithm, "step")(batch, samples)
+    EpisodeAdvantages(algorithm)(batch)
     # every step returns 0 (the wall): all step advantages are 0, on every token
     assert batch.extras["advantages"].abs().sum() == 0
     assert (batch.extras["segment_ids"][batch.response_mask > 0] == 0).all()
@@ -188,7 +189,7 @@ def test_redundant_groups_keep_the_first_finishers_and_abort_the_rest():
         result = envs.next_batch(1, 0)
     finally:
         envs.close()
-    assert [s.metadata["episode"][1] for s in played(result)] == [1, 2]  # slot 0 was the slow one
+    assert [s.episode.key[1] for s in played(result)] == [1, 2]  # slot 0 was the slow one
     assert result.metrics["rollout/aborted"] == 1
     assert slow and engine.aborted == slow  # did not wait for the slow episode (held till then): aborted it
 

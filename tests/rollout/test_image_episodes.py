@@ -97,7 +97,7 @@ def test_step_wise_samples_hold_the_boards_of_their_own_prompt(encoder, history_
     expected = [encoder.processor.process([board]).pixel_values
                 for board in [info["images"][0]] + [env.step("Right")[4]["images"][0] for _ in range(3)]]
     for sample in samples:
-        turn = sample.metadata["turn"]
+        turn = sample.turn_spans[0].turn
         assert sample.vision.num_images == boards[turn]
         assert sample.prompt_ids.count(pad) == TOKENS_PER_BOARD * boards[turn]
         assert torch.equal(sample.vision.pixel_values[-64:], expected[turn])  # its own board last
@@ -116,7 +116,7 @@ def test_the_trainer_scores_an_image_trajectory_as_the_hf_engine_sampled_it(vl_m
     finally:
         engine.close()
     samples = [s for s in result.samples if s.status != SampleStatus.FAILED]
-    assert samples and all(s.vision.num_images == len(s.metadata["spans"]) for s in samples)
+    assert samples and all(s.vision.num_images == len(s.turn_spans) for s in samples)
     assert any(s.vision.num_images > 1 for s in samples)  # at least one multi-turn trajectory
     batch = collate(samples, pad_token_id=encoder.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -140,7 +140,7 @@ def test_a_trajectory_ends_where_the_policy_wrote_the_image_pad_token(vl_model_d
     if samples == "trajectory":
         assert [(s.status, s.metadata["turns"]) for s in result.samples] == [(SampleStatus.TRUNCATED, 1)] * 2
     else:
-        assert sorted(s.metadata["turn"] for s in result.samples) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert sorted(s.turn_spans[0].turn for s in result.samples) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert len(engine.prompts) == 2 * turns
     pad = encoder.processor.image_token_id
     assert all(prompt.count(pad) == TOKENS_PER_BOARD * vision.num_images
