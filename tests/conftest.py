@@ -97,7 +97,7 @@ def ray_session():
     from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
-    with keep_workers(max_idle=8) as pool:  # the session's runs have more shapes than a sweep's
+    with keep_workers(max_idle=10) as pool:  # the session's runs have more shapes than a sweep's (~0.5 GiB each)
         yield
         report = os.environ.get("ROLLFLOW_POOL_REPORT")  # a file: how well the session's workers were reused
         if report:

@@ -6,9 +6,7 @@ whose working directory is not the driver's) and scores there."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -152,20 +150,14 @@ def test_a_model_reward_from_a_file_scores_in_a_reward_worker(project, ray_sessi
 
 
 @pytest.mark.slow
-def test_a_short_run_with_a_file_reward(tmp_path):
-    """The real command line, from a project directory without PYTHONPATH: the file reward scores every
-    sample and is logged as `rollout/reward/score.py:score`."""
-    project = tmp_path / "project"
-    (project / "rewards").mkdir(parents=True)
-    (project / "rewards" / "score.py").write_text(SCORE)
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "train", str(QUICKSTART), "train.steps=1", "name=file_reward",
-         f"output.dir={tmp_path}", "rollout.groups_per_step=4", "rollout.group_size=2",
-         "train.train_micro_batch_size=8", "data.eval.limit=4", "output.trackers=[jsonl]",
-         'reward.functions=[{name: "rewards/score.py:score"}]'],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600)
+def test_a_short_run_with_a_file_reward(project, cli):
+    """The command line's run, in a project directory: the file reward scores every sample and is logged as
+    `rollout/reward/score.py:score`. (The `rollflow` command from a directory without PYTHONPATH:
+    tests/rewards/test_papercuts_user_modules.py.)"""
+    result = cli("train", QUICKSTART, "train.steps=1", "name=file_reward", f"output.dir={project / 'runs'}",
+                 "rollout.groups_per_step=4", "rollout.group_size=2", "train.train_micro_batch_size=8",
+                 "data.eval.limit=4", "output.trackers=[jsonl]", 'reward.functions=[{name: "rewards/score.py:score"}]')
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "file_reward" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (project / "runs" / "file_reward" / "metrics.jsonl").read_text().splitlines()]
     assert "rollout/reward/score.py:score" in rows[1] and rows[1]["rollout/failed_ratio"] == 0.0
     assert "eval/reward/score.py:score" in rows[0]
