@@ -1,5 +1,5 @@
-"""`rollflow` command line: train (RLVR, or the pipeline a config names), sft, dpo, distill, eval, new-model,
-build-tiny-model.
+"""`rollflow` command line: train (RLVR, or the pipeline a config names), sft, dpo, distill, eval, plan (simulate
+a config's placements on simulated GPUs), env (play an environment), new-model, build-tiny-model.
 
 User errors (bad config, missing files, unloadable reward) print one line and exit with status 2; a run that
 fails at run time (a dead or stalled worker, non-finite training) prints one line and exits with status 1; a
@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
-MAX_NAME_LENGTH = 100  # `rollflow.config.sections.MAX_NAME_LENGTH`, which this module cannot import (torch)
+# `rollflow.config.values.MAX_NAME_LENGTH` (a test keeps the two equal): the parser imports nothing of the config,
+# so `rollflow --help` and a bad command are answered before pydantic loads
+MAX_NAME_LENGTH = 100
 # Path parts that say nothing of which model it is: a checkpoint's `model/`, a LoRA checkpoint's `merged/`.
 _ANONYMOUS_PARTS = {"", ".", "..", "model", "merged", "checkpoints"}
 

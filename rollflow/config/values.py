@@ -9,7 +9,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-MAX_NAME_LENGTH = 100  # a run name's characters (`rollflow.cli` keeps a copy: it cannot import this package)
+MAX_NAME_LENGTH = 100  # a run name's characters (`rollflow.cli` keeps a copy, for its parser's start)
 
 
 def plain_group_by_columns(columns: list[str]) -> list[str]:
