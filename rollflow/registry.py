@@ -145,6 +145,10 @@ class Registry(Generic[T]):
         except KeyError:
             raise UnknownNameError(self.unknown_message(name)) from None
 
+    def registered(self) -> dict[str, T]:
+        """The implementations registered so far, by name (a declared module not yet imported has none here)."""
+        return dict(self._entries)
+
     def options(self, name: str) -> Options:
         """The options of `name`'s implementation: from its signature once imported, else from its source."""
         if name in self._entries:

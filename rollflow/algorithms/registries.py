@@ -54,9 +54,13 @@ TURN_LEVEL_LOSSES = ("ipa_chunk",)
 
 def _describe(fn: Callable[..., Any]) -> str:
     """'policy loss 'ppo'' when `fn` is registered somewhere, else 'function 'my_fn''."""
+    where = (getattr(fn, "__module__", None), getattr(fn, "__name__", None))
     for registry in _ALL_REGISTRIES:
-        for name in registry.names():
-            if registry.get(name) is fn:  # imports the registry's modules: an error message's cost only
+        for name, declared in registry.declarations().items():
+            if (declared.module, declared.function) == where:
+                return f"{registry.kind} {name!r}"
+        for name, registered in registry.registered().items():  # a user's own, registered at run time
+            if registered is fn:
                 return f"{registry.kind} {name!r}"
     return f"function {getattr(fn, '__name__', repr(fn))!r}"
 

@@ -63,7 +63,7 @@ def test_what_the_source_declares_is_what_importing_registers(registry):
         fn = registry.get(name)  # imports its module
         assert fn.__name__ == declaration.function and fn.__module__ == declaration.module
         assert Options.of(fn) == declaration.options, name
-    assert set(registry._entries) == set(declared)  # nothing registered that the source does not show
+    assert set(registry.registered()) == set(declared)  # nothing registered that the source does not show
 
 
 @pytest.mark.parametrize("name", BACKENDS.names())
