@@ -109,3 +109,14 @@ def test_collate_spreads_a_distillation_ce_mask_over_the_response_columns():
     assert collate(rows, PAD).extras["ce_mask"].tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
     with pytest.raises(ValueError, match="ce_mask has 2 entries for 3 response tokens"):
         Sample(prompt_ids=[1], response_ids=[2, 3, 4], ce_mask=[0, 1])
+
+
+def test_advantage_clip_bounds_every_turn_s_advantage():
+    samples = [_trajectory(0, 0, [(0, 2), (4, 5)], [0.0, 3.0], ["a", "b"], 5),
+               _trajectory(1, 0, [(0, 1), (2, 4)], [0.0, 0.0], ["a", "c"], 4)]
+    batch = collate(samples, PAD)
+    algorithm = AgenticConfig.model_validate({"algorithm": {"advantage": "gigpo", "advantage_clip": 0.1}}).algorithm
+    EpisodeAdvantages(algorithm)(batch)
+    unclipped = _expected(samples, [[samples[0]], [samples[1]]], batch.response_width, 1.0)
+    assert unclipped.abs().max() > 0.1  # the clip has something to do
+    torch.testing.assert_close(batch.extras["advantages"], unclipped.clamp(-0.1, 0.1) * batch.response_mask)
