@@ -93,10 +93,10 @@ sys.exit(code)
 
 
 @pytest.mark.parametrize("argv", [["train", "CONFIG"], ["sft", "CONFIG"], ["eval", "--model", "tiny"]])
-def test_a_config_error_is_one_line_before_ray_and_torch_within_2_s(tmp_path, argv):
+def test_a_config_error_is_one_line_before_ray_and_without_torch(tmp_path, argv):
     """From a fresh process, as a user runs it: a config the loader refuses ends in its one error line, with
-    nothing of Ray before it (no prestart, no "starting Ray ..."), and torch never imported: well within 2 s
-    here (0.5 CPU-s: Python, pydantic, the config's models)."""
+    nothing of Ray before it (no prestart, no "starting Ray ..."), and torch never imported. (Its time is
+    printed, not asserted: ~1 s here, 0.5 CPU-s of Python, pydantic and the config's models.)"""
     config = _config(tmp_path, "cluster: {num_cpus: 2}\n")
     argv = [config if a == "CONFIG" else a for a in argv] + ["rollout.max_new_tokns=6"]
     started = time.perf_counter()
