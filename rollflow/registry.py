@@ -425,24 +425,34 @@ def with_registry_table(markdown: str, table: str) -> str:
     return markdown[:start + len(TABLE_START)] + "\n\n" + table + "\n" + markdown[end:]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Rewrite the registry table in the file given (docs/architecture.md), or print the table when none is."""
+def generated_doc_main(argv: list[str] | None, regenerate: str, render: Callable[[], str],
+                       into: Callable[[str, str], str] | None = None) -> int:
+    """The `main` of a doc generator (`regenerate` is its command line, ending in the doc's path): with no
+    argument print what `render()` makes; with a path write it there, or with `into(the file's text,
+    rendered)` put it inside the file. Two or more arguments, or a file `into` refuses (ValueError), is one line
+    on stderr and status 2."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) > 1:
-        print(f"usage: {REGENERATE.replace('docs/architecture.md', '[PATH]')}", file=sys.stderr)
+        print(f"usage: {regenerate.rsplit(' ', 1)[0]} [PATH]", file=sys.stderr)
         return 2
-    table = render_registry_table()
+    text = render()
     if not argv:
-        sys.stdout.write(table)
+        sys.stdout.write(text)
         return 0
     path = Path(argv[0])
-    try:
-        text = with_registry_table(path.read_text(encoding="utf-8"), table)
-    except ValueError as err:
-        print(f"{path}: {err}", file=sys.stderr)
-        return 2
+    if into is not None:
+        try:
+            text = into(path.read_text(encoding="utf-8"), text)
+        except ValueError as err:
+            print(f"{path}: {err}", file=sys.stderr)
+            return 2
     path.write_text(text, encoding="utf-8")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the registry table in the file given (docs/architecture.md), or print the table when none is."""
+    return generated_doc_main(argv, REGENERATE, render_registry_table, with_registry_table)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import json
 import sys
 import types
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import annotated_types
@@ -28,6 +27,7 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from rollflow.config.loading import DEFAULT_PIPELINE, PIPELINES
 from rollflow.config.sections import RunConfigBase
+from rollflow.registry import generated_doc_main
 
 REGENERATE = "python -m rollflow.config.reference docs/config.md"
 
@@ -285,16 +285,7 @@ def _cell(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the reference to the path given (e.g. docs/config.md), or print it when none is."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) > 1:
-        print(f"usage: {REGENERATE.replace('docs/config.md', '[PATH]')}", file=sys.stderr)
-        return 2
-    text = render_config_reference()
-    if argv:
-        Path(argv[0]).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return generated_doc_main(argv, REGENERATE, render_config_reference)
 
 
 if __name__ == "__main__":

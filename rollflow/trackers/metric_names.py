@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import NamedTuple
+
+from rollflow.registry import generated_doc_main
 
 REGENERATE = "python -m rollflow.trackers.metric_names docs/metrics.md"
 
@@ -540,16 +541,7 @@ def _cell(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the reference to the path given (e.g. docs/metrics.md), or print it when none is."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) > 1:
-        print(f"usage: {REGENERATE.replace('docs/metrics.md', '[PATH]')}", file=sys.stderr)
-        return 2
-    text = render_metrics_reference()
-    if argv:
-        Path(argv[0]).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return generated_doc_main(argv, REGENERATE, render_metrics_reference)
 
 
 if __name__ == "__main__":
