@@ -176,10 +176,10 @@ class Registry(Generic[T]):
         return f"unknown {self.kind} {name!r}.{hint} Valid: {', '.join(valid)}"
 
     def names(self) -> list[str]:
-        return sorted({*self._entries, *(self.declarations() if self.declared_in else ())})
+        return sorted({*self._entries, *self.declarations()})
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries or (bool(self.declared_in) and name in self.declarations())
+        return name in self._entries or name in self.declarations()
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)
