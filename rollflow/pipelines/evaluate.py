@@ -57,7 +57,7 @@ def run_eval(config: RLVRConfig, manage_ray: bool = True) -> dict[str, float]:
     for warning in inputs.warnings:
         print(f"rollflow: warning: {warning}", file=sys.stderr, flush=True)
     print(describe_eval_set(data, prompts), flush=True)  # before the workers start: what the numbers will be of
-    with running_roles(config, roles, {"reward": (rewards,)}, manage_ray) as groups:
+    with running_roles(config, roles, manage_ray=manage_ray) as groups:
         greedy = SamplingParams(config.eval.max_new_tokens or config.rollout.max_new_tokens, temperature=0.0)
         core = prompt_rollout(config, groups, tokenizer, sampling=greedy)
         try:

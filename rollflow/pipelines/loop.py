@@ -42,33 +42,34 @@ from rollflow.trackers.samples import write_samples
 from rollflow.trackers.timeline import STEP_SPAN, timeline_written
 from rollflow.trackers.trackers import Column
 from rollflow.workers.roles import RoleLaunch
+from rollflow.workers.specs import worker_specs
 
 
 class PipelineStep(Protocol):
     """What a pipeline says; the frame (`run_pipeline`) does the rest. Called in this order: `roles`,
-    `role_args`, `launches_before_inputs`, `check_inputs`, `start_lines`, `start`, `load` or `evaluate(0)`,
+    `launches_before_inputs`, `check_inputs`, `start_lines`, `start`, `load` or `evaluate(0)`,
     `state`, then per step `rollout`, `train`, `position`, `evaluate` and `stop_reason` (eval steps),
     `logged_samples`, `state`; at the end `after_run`, `summary_lines`, and `close` (always, once `start` ran).
-    The optional hooks (`role_args`, `launches_before_inputs`, `start_lines`, `position`, `stop_reason`,
+    The optional hooks (`launches_before_inputs`, `start_lines`, `position`, `stop_reason`,
     `logged_samples`, `after_run`, `summary_lines`, `close`) have defaults in `StepDefaults`.
 
     Attributes:
         config: the run config; `check_inputs` may replace it (supervised `train.epochs` becomes steps).
+        objective: what actor_train minimizes (a `rollflow.workers.objectives.OBJECTIVES` name), in its
+            worker's spec (`rollflow.workers.specs`).
         phases: the roles each phase runs (`ColocationManager`); a `checkpoint` phase for the interrupt save.
         columns: what the console's step line shows.
         plot_keys: the metrics `curves.png` draws.
     """
 
     config: Any
+    objective: str
     phases: dict[str, tuple[str, ...]]
     columns: tuple[Column, ...]
     plot_keys: tuple[str, ...]
 
     def roles(self) -> list[str]:
         """The roles the run starts, in start order."""
-
-    def role_args(self) -> dict[str, tuple]:
-        """Each role's worker arguments (`RoleLaunch`): the trainer's objective name, ..."""
 
     def launches_before_inputs(self) -> bool:
         """Whether the workers start while `check_inputs` runs (False when their config waits on the data)."""
@@ -118,13 +119,9 @@ class PipelineStep(Protocol):
 
 
 class StepDefaults:
-    """The optional hooks of `PipelineStep`, with what a step that does not need them wants: no worker
-    arguments, workers started while the inputs are checked, no start lines, no data position, never an early
+    """The optional hooks of `PipelineStep`, with what a step that does not need them wants: workers started while the inputs are checked, no start lines, no data position, never an early
     stop, no samples logged, nothing after the run, no summary lines, nothing to close. A step class inherits
     these and writes only the hooks it needs."""
-
-    def role_args(self) -> dict[str, tuple]:
-        return {}
 
     def launches_before_inputs(self) -> bool:
         return True
@@ -188,6 +185,11 @@ class Driver:
     no_signal: NoSignalWatch = field(default_factory=NoSignalWatch)
 
 
+def launch_roles(step: PipelineStep, roles: list[str], manage_ray: bool) -> RoleLaunch:
+    """Start `step`'s roles (`RoleLaunch`), each worker given its spec from the step's config now."""
+    return RoleLaunch(step.config, roles, worker_specs(step.config, roles, step.objective), manage_ray)
+
+
 @pinned_threads(1)  # the driver only routes and scores; workers do the heavy lifting
 def run_pipeline(step: PipelineStep, manage_ray: bool = True) -> dict[str, float]:
     """Run a pipeline's step object through the frame (the module's docstring). Returns the final metrics.
@@ -200,7 +202,7 @@ def run_pipeline(step: PipelineStep, manage_ray: bool = True) -> dict[str, float
     began = time.time()
     resume_point(step.config)  # a resume with nothing to resume fails before anything starts
     roles = step.roles()
-    launch = RoleLaunch(step.config, roles, step.role_args(), manage_ray) if step.launches_before_inputs() else None
+    launch = launch_roles(step, roles, manage_ray) if step.launches_before_inputs() else None
     with launch.cancelled_on_error() if launch else contextlib.nullcontext():  # a bad input stops the start
         with span("check inputs"):
             warnings = step.check_inputs(roles)
@@ -208,7 +210,7 @@ def run_pipeline(step: PipelineStep, manage_ray: bool = True) -> dict[str, float
             print(f"rollflow: warning: {warning}", file=sys.stderr)
         prepared = prepare_run_dir(step.config)
     config = step.config
-    launch = launch or RoleLaunch(config, roles, step.role_args(), manage_ray)
+    launch = launch or launch_roles(step, roles, manage_ray)
     try:
         with timeline_written(config.run_dir, began) as worker_spans, StopSignals() as stop, \
                 launch.running(worker_spans.take_from) as groups:

@@ -108,9 +108,6 @@ class RLStep(StepDefaults):
         return f" ({regenerated} groups drawn but not trained then are played again)" if regenerated else ""
 
     # ---- the step --------------------------------------------------------------------------------------
-    def role_args(self) -> dict[str, tuple]:
-        return {"actor_train": (self.objective,)}
-
     def start(self, groups: WorkerGroups, colocation: ColocationManager) -> None:
         self.groups, self.colocation = groups, colocation
         self.advantages = self.build_advantages()

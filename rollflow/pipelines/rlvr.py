@@ -65,9 +65,6 @@ class RLVRStep(RLStep):
     def roles(self) -> list[str]:
         return rlvr_roles(self.config)
 
-    def role_args(self) -> dict[str, tuple]:
-        return {"actor_train": (self.objective,), "reward": (model_rewards(self.config.reward),)}
-
     def check_inputs(self, roles: list[str]) -> list[str]:
         """Every prompt encoded and checked (`load_prompt_sets`); math-verify's helpers start while the workers
         do, not in the first step."""

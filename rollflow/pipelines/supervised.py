@@ -94,9 +94,6 @@ class SupervisedStep(StepDefaults):
     def needs_reference(self) -> bool:
         return False
 
-    def role_args(self) -> dict[str, tuple]:
-        return {"actor_train": (self.objective,)}
-
     def launches_before_inputs(self) -> bool:
         """The workers start while the inputs are checked, unless their config waits on the data
         (`train.epochs` becomes a step count, which the trainer's schedule reads)."""

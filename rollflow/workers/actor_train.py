@@ -7,57 +7,44 @@ import time
 
 import torch
 
-from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, publish_weights
-from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.data.seeds import derive_seed
 from rollflow.errors import NonFiniteError
-from rollflow.workers.base import (
-    PlacedWorker,
-    nonfinite_in_role,
-    sampling_temperature,
-    simulation_kwargs,
-    trainer_settings,
-)
-from rollflow.workers.objectives import OBJECTIVES, train_mini_batches
+from rollflow.workers.base import PlacedWorker, build_backend, nonfinite_in_role
+from rollflow.workers.objectives import train_mini_batches
+from rollflow.workers.specs import TrainerSpec, torch_device
 
 
 class ActorTrainWorker(PlacedWorker):
     """One data-parallel rank of the trainer. Started by `rollflow.workers.roles.start_roles`.
 
-    Construction only pins the process and builds the objective; `init_backend` builds the model once every
-    rank knows rank 0's rendezvous address (the fsdp2 backend joins a torch.distributed process group there).
+    Construction only pins the process; `init_backend` builds the model once every rank knows rank 0's
+    rendezvous address (the fsdp2 backend joins a torch.distributed process group there).
 
     Args:
         placement: where this rank runs (its index is its rank).
-        config: the run config.
-        objective: an `OBJECTIVES` name, the loss `train` minimizes ("policy_gradient" for RLVR).
+        spec: actor_train's spec (`rollflow.workers.specs.trainer_spec`): its backend, and the objective `train`
+            minimizes (`spec.loss`).
     """
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase, objective: str = "policy_gradient"):
-        super().__init__(placement, config.cluster.device)
-        self.config = config
+    def __init__(self, placement: WorkerPlacement, spec: TrainerSpec):
+        super().__init__(placement, spec.device)
+        self.spec = spec
         self.rank = placement.index
-        self.loss = OBJECTIVES.get(objective)(config)
-        self.temperature = sampling_temperature(config)
-        self.mini_batches = config.train.optimizer_steps_per_step
+        self.loss = spec.loss
+        self.temperature = spec.temperature
+        self.mini_batches = spec.mini_batches
         self.version = 0
         self.broadcast: BroadcastGroup | None = None
         self.outgoing: list[dict[str, torch.Tensor]] = []
-        self.preload(config.roles.actor_train.backend, config.model.path, config.model.trust_remote_code)
+        self.preload(spec.backend, spec.settings.model_path, spec.settings.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the training backend; every rank calls this at the same time (a collective for fsdp2)."""
         self.join_ranks(master_addr, master_port, world_size)
-        config = self.config
-        torch.manual_seed(config.seed)
-        role, train = config.roles.actor_train, config.train
-        lora = role.lora.model_dump() if role.lora is not None else None
-        settings = trainer_settings(config, lr=train.lr, lora=lora, total_steps=config.actor_optimizer_steps)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
-                                      **simulation_kwargs(config, self.placement, "actor_train", role.backend))
+        self.backend = build_backend(self.spec, self.placement)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] logprobs of the response tokens under the current weights."""
@@ -85,7 +72,7 @@ class ActorTrainWorker(PlacedWorker):
             metrics["check/train_infer_logprob_max_gap"] = float(gap.max())
         # every rank must draw the same mini-batch split: a generator seeded by (seed, version), not the
         # global RNG (which model code may consume differently per rank)
-        shuffle = torch.Generator().manual_seed(derive_seed(self.config.seed, "actor_minibatches", self.version))
+        shuffle = torch.Generator().manual_seed(derive_seed(self.spec.seed, "actor_minibatches", self.version))
         try:
             metrics.update(train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle))
         except NonFiniteError as err:
@@ -115,8 +102,7 @@ class ActorTrainWorker(PlacedWorker):
 
     def open_broadcast(self, host: str, port: int, world_size: int) -> None:
         """Join the weight-broadcast group as its rank 0 (see `rollflow.cluster.weight_sync`)."""
-        device = "cuda" if self.config.cluster.device == "gpu" else "cpu"
-        self.broadcast = BroadcastGroup(host, port, 0, world_size, device)
+        self.broadcast = BroadcastGroup(host, port, 0, world_size, torch_device(self.spec.device))
 
     def send_weights(self) -> None:
         """Broadcast the buckets `weights_for_sync` prepared (no-op for the object-store transport)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 
-from rollflow.backends.base import TrainerSettings
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.runtime import free_port, memory_usage, pin_worker
 from rollflow.errors import NonFiniteError
@@ -88,21 +87,16 @@ class PlacedWorker:
             self.backend.close()
 
 
-def trainer_settings(config, **overrides) -> TrainerSettings:
-    """The backend settings every trainer role shares, from the run config; `overrides` are the role's own
-    (the critic's LR, the reference's frozen weights and model path, ...)."""
-    train = config.train
-    rollout = getattr(config, "rollout", None)  # the generation limit, for seq_mean_token_sum_norm
-    settings = dict(
-        model_path=config.model.path, dtype=config.model.dtype, trust_remote_code=config.model.trust_remote_code,
-        lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, warmup_steps=train.warmup_steps,
-        lr_schedule=train.lr_schedule, total_steps=train.steps * train.optimizer_steps_per_step,
-        max_grad_norm=train.max_grad_norm, micro_batch_size=train.train_micro_batch_size,
-        max_response_length=rollout.max_new_tokens if rollout is not None else None,
-        device=torch_device(config), on_nonfinite=train.on_nonfinite,
-        freeze_vision_tower=getattr(config.model, "freeze_vision_tower", False),
-    )
-    return TrainerSettings(**{**settings, **overrides})
+def build_backend(spec, placement: WorkerPlacement):
+    """The training backend a trainer role's spec (`rollflow.workers.specs.TrainerSpec`) configures, for the
+    worker placed at `placement`, its init seeded by the run's seed."""
+    import torch
+
+    from rollflow.backends import create_backend
+
+    torch.manual_seed(spec.seed)
+    return create_backend(spec.backend, spec.settings, **spec.backend_kwargs,
+                          **simulation_kwargs(spec.sim, placement))
 
 
 def nonfinite_in_role(error: NonFiniteError, role: str, lr_key: str) -> NonFiniteError:
@@ -118,40 +112,10 @@ def nonfinite_in_role(error: NonFiniteError, role: str, lr_key: str) -> NonFinit
     return NonFiniteError(f"{role}: {error}{advice}", error.weights_updated)
 
 
-def sampling_temperature(config) -> float:
-    """The temperature the engines sampled at, which logprobs are taken at (1 for a pipeline without
-    a rollout section, which samples nothing)."""
-    rollout = getattr(config, "rollout", None)
-    return rollout.temperature if rollout is not None else 1.0
-
-
-def simulation_kwargs(config, placement: WorkerPlacement, role: str, component: str) -> dict:
-    """The `simulation` keyword of a `sim` engine or backend on a simulated cluster (`cluster.device: sim`): the
-    run's `cluster.sim`, with this worker's simulated GPUs; {} on a real cluster.
-
-    Args:
-        config: the run config.
-        placement: the worker's (its devices are its simulated GPUs).
-        role: the role, for the error.
-        component: the engine or backend name the role configures.
-
-    Raises:
-        ConfigError: a role that would run real model math on a simulated cluster.
-    """
-    if config.cluster.device != "sim":
-        return {}
-    if component != "sim":
-        from rollflow.errors import ConfigError
-
-        kind = "engine" if role == "actor_infer" else "backend"
-        raise ConfigError(f"cluster.device sim: roles.{role}.{kind} is {component}; set it to sim (a simulated "
-                          "cluster runs no model)")
-    return {"simulation": vars(config.cluster.sim.settings(max(1, len(placement.devices))))}
-
-
-def torch_device(config) -> str:
-    """The torch device a worker's model lives on: "cuda" when the cluster's devices are GPUs."""
-    return "cuda" if config.cluster.device == "gpu" else "cpu"
+def simulation_kwargs(sim, placement: WorkerPlacement) -> dict:
+    """The `simulation` keyword of a `sim` engine or backend: `sim` (`cluster.sim`, from the role's spec) with
+    this worker's simulated GPUs; {} when the cluster is not simulated (`sim` is None)."""
+    return {} if sim is None else {"simulation": vars(sim.settings(max(1, len(placement.devices))))}
 
 
 def move_report(started: float) -> dict[str, float]:

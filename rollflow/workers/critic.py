@@ -11,14 +11,13 @@ import time
 import torch
 
 from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, clipped_value_loss
-from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.data.seeds import derive_seed
 from rollflow.errors import NonFiniteError
-from rollflow.workers.base import PlacedWorker, nonfinite_in_role, simulation_kwargs, trainer_settings
+from rollflow.workers.base import PlacedWorker, build_backend, nonfinite_in_role
 from rollflow.workers.objectives import train_mini_batches
+from rollflow.workers.specs import TrainerSpec
 
 
 class CriticLoss:
@@ -55,25 +54,25 @@ class CriticLoss:
 
 class CriticWorker(PlacedWorker):
     """One critic worker (a data-parallel rank with `roles.critic.backend: fsdp2`). Started by
-    `rollflow.workers.roles.start_roles` when the advantage is `gae`; `init_backend` builds the value model."""
+    `rollflow.workers.roles.start_roles` when the advantage is `gae`; `init_backend` builds the value model.
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
-        super().__init__(placement, config.cluster.device)
-        self.config = config
-        self.loss = CriticLoss(config.algorithm.loss_aggregation, config.algorithm.value_clip)
-        self.mini_batches = config.train.optimizer_steps_per_step
+    Args:
+        placement: where this worker runs.
+        spec: the critic's spec (`rollflow.workers.specs.trainer_spec`): a value model and its `CriticLoss`.
+    """
+
+    def __init__(self, placement: WorkerPlacement, spec: TrainerSpec):
+        super().__init__(placement, spec.device)
+        self.spec = spec
+        self.loss = spec.loss
+        self.mini_batches = spec.mini_batches
         self.updates = 0  # critic updates so far: seeds each update's mini-batch split
-        self.preload(config.roles.critic.backend, config.model.path, config.model.trust_remote_code)
+        self.preload(spec.backend, spec.settings.model_path, spec.settings.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the value model's backend; every rank calls this at the same time (a collective for fsdp2)."""
         self.join_ranks(master_addr, master_port, world_size)
-        config = self.config
-        torch.manual_seed(config.seed)
-        role = config.roles.critic
-        settings = trainer_settings(config, lr=config.train.critic_lr, value_head=True)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
-                                      **simulation_kwargs(config, self.placement, "critic", role.backend))
+        self.backend = build_backend(self.spec, self.placement)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """[B, T] values of the response tokens, aligned like logprobs (0 on padding)."""
@@ -86,7 +85,7 @@ class CriticWorker(PlacedWorker):
         self.require_resident("train")
         started = time.perf_counter()
         # every rank must draw the same mini-batch split (see ActorTrainWorker.train)
-        shuffle = torch.Generator().manual_seed(derive_seed(self.config.seed, "critic_minibatches", self.updates))
+        shuffle = torch.Generator().manual_seed(derive_seed(self.spec.seed, "critic_minibatches", self.updates))
         try:
             metrics = train_mini_batches(self.backend, batch, self.loss, self.mini_batches, shuffle)
         except NonFiniteError as err:

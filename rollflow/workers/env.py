@@ -19,13 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.envs.base import Env
 from rollflow.envs.images import IMAGES_KEY, image_bytes
 from rollflow.envs.make import make_env
 from rollflow.envs.threads import EnvThread
 from rollflow.workers.base import PlacedWorker
+from rollflow.workers.specs import EnvSpec
 
 MAKE_TIMEOUT_S = 120.0  # the least time limit of making an env (its package's import may come first)
 
@@ -77,13 +77,13 @@ class EnvWorker(PlacedWorker):
 
     Args:
         placement: where this worker runs (a CPU role).
-        config: the run config (`env.*`).
+        spec: the `env` section and the run's seed (`rollflow.workers.specs.env_spec`).
     """
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
-        super().__init__(placement, config.cluster.device)
-        self.env_config = config.env
-        self.seed = config.seed
+    def __init__(self, placement: WorkerPlacement, spec: EnvSpec):
+        super().__init__(placement, spec.device)
+        self.env_config = spec.env
+        self.seed = spec.seed
         self.index = placement.index
         self.slots: dict[str, tuple[Env, EnvThread]] = {}
         self.stranded = 0  # slots whose thread hung past the limit (left behind)

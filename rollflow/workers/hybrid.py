@@ -18,12 +18,12 @@ import torch
 
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import WeightReceiver, publish_weights
-from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
 from rollflow.engines.base import Completion, GenerationRequest
 from rollflow.workers.actor_train import ActorTrainWorker
 from rollflow.workers.base import PlacedWorker
 from rollflow.workers.rollout import build_engine, generate_one, generate_together
+from rollflow.workers.specs import HybridSpec
 
 # methods of the engine role: spans in the actor_infer lane
 ENGINE_METHODS = frozenset({"generate", "generate_batch", "abort", "sync_engine"})
@@ -35,14 +35,13 @@ class HybridWorker(PlacedWorker):
 
     Args:
         placement: actor_train's worker 0 placement (its threads serve both roles).
-        config: the run config.
-        objective: the trainer's `OBJECTIVES` name.
+        spec: actor_train's spec and the engine's (`rollflow.workers.specs.HybridSpec`).
     """
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase, objective: str = "policy_gradient"):
-        super().__init__(placement, config.cluster.device)
-        self.trainer = ActorTrainWorker(placement, config, objective)
-        self.engine = build_engine(config, placement)
+    def __init__(self, placement: WorkerPlacement, spec: HybridSpec):
+        super().__init__(placement, spec.trainer.device)
+        self.trainer = ActorTrainWorker(placement, spec.trainer)
+        self.engine = build_engine(spec.engine, placement)
 
     def _span_lane(self, method: str) -> str | None:
         """The timeline lane of `method`'s spans (`rollflow.spans.traced`): the engine's own lane."""

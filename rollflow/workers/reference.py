@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from rollflow.backends import create_backend
 from rollflow.cluster.placement import WorkerPlacement
-from rollflow.config import RunConfigBase
 from rollflow.data.sample import Batch
-from rollflow.workers.base import PlacedWorker, sampling_temperature, simulation_kwargs, trainer_settings
+from rollflow.workers.base import PlacedWorker, build_backend
+from rollflow.workers.specs import TrainerSpec
 
 
 class ReferenceWorker(PlacedWorker):
@@ -18,24 +17,20 @@ class ReferenceWorker(PlacedWorker):
 
     Args:
         placement: where this worker runs.
-        config: the run config.
+        spec: the reference's spec (`rollflow.workers.specs.trainer_spec`): a frozen model, the policy's or
+            the teacher's (`roles.reference.model_path`).
     """
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
-        super().__init__(placement, config.cluster.device)
-        self.config = config
-        self.temperature = sampling_temperature(config)
-        role = config.roles.reference
-        self.preload(role.backend, role.model_path or config.model.path, config.model.trust_remote_code)
+    def __init__(self, placement: WorkerPlacement, spec: TrainerSpec):
+        super().__init__(placement, spec.device)
+        self.spec = spec
+        self.temperature = spec.temperature
+        self.preload(spec.backend, spec.settings.model_path, spec.settings.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the frozen model (a collective for fsdp2 ranks)."""
         self.join_ranks(master_addr, master_port, world_size)
-        role = self.config.roles.reference
-        settings = trainer_settings(self.config, model_path=role.model_path or self.config.model.path,
-                                    trainable=False)
-        self.backend = create_backend(role.backend, settings, **role.backend_kwargs,
-                                      **simulation_kwargs(self.config, self.placement, "reference", role.backend))
+        self.backend = build_backend(self.spec, self.placement)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] reference logprobs of the response tokens."""

@@ -26,7 +26,8 @@ from rollflow.rewards import (
 )
 from rollflow.rewards.pool import RewardPool
 from rollflow.rewards.registry import Row
-from rollflow.workers.base import PlacedWorker, move_report, torch_device
+from rollflow.workers.base import PlacedWorker, move_report
+from rollflow.workers.specs import RewardSpec, torch_device
 
 
 def configured_rewards(reward_config) -> dict[str, list]:
@@ -68,14 +69,14 @@ class RewardWorker(PlacedWorker):
 
     Args:
         placement: where this worker runs (its CPU share is its torch thread count).
-        config: the run config (`cluster.device`: the scorers' models go on CUDA on a GPU cluster).
-        rewards: name -> `ModelReward` with bound options (`model_rewards`).
+        spec: the model rewards, name -> `ModelReward` with bound options (`model_rewards`), and the cluster's
+            device (the scorers' models go on CUDA on a GPU cluster).
     """
 
-    def __init__(self, placement: WorkerPlacement, config, rewards: dict[str, ModelReward]):
-        super().__init__(placement, config.cluster.device)
-        device = torch_device(config)
-        self.scorers = {name: reward.build(device=device) for name, reward in rewards.items()}
+    def __init__(self, placement: WorkerPlacement, spec: RewardSpec):
+        super().__init__(placement, spec.device)
+        device = torch_device(spec.device)
+        self.scorers = {name: reward.build(device=device) for name, reward in spec.rewards.items()}
 
     async def score_group(self, name: str, completions: list[str], rows: list[Row]) -> list[Any]:
         """One value per completion of reward `name`: a float, a dict of floats, or a `ScoreError`."""

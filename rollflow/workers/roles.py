@@ -5,7 +5,8 @@ order roles start in, the rendezvous of data-parallel ranks and the weight-broad
 where role names meet worker classes. A pipeline says which roles it needs (`PIPELINES[name].roles`) and
 starts them with `start_roles`.
 
-Every role worker is constructed as `cls(placement, config, *role_args)`.
+Every role worker is constructed as `cls(placement, spec)`, its spec the typed part of the run config its role
+reads (`rollflow.workers.specs.worker_specs`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from rollflow.data.sample import Batch
 from rollflow.errors import ConfigError
 from rollflow.registry import Registry, import_object
 from rollflow.spans import record, span
+from rollflow.workers.specs import TRAINER_ROLES, HybridSpec, worker_specs
 
 # role -> "module:Class" of its worker; the module is imported when the role starts.
 ROLE_WORKERS: Registry[str] = Registry("role")
@@ -50,8 +52,6 @@ ROLE_WORKERS.register("env")("rollflow.workers.env:EnvWorker")
 # The worker that serves actor_train and actor_infer in one process (`roles.actor_infer.hybrid`).
 HYBRID_WORKER = "rollflow.workers.hybrid:HybridWorker"
 
-# Roles whose workers hold a training backend: their ranks meet at rank 0's address, then build it together.
-TRAINER_ROLES = ("actor_train", "critic", "reference")
 # Roles that must say where they run once any role has a device_mapping.
 CORE_ROLES = ("actor_train", "actor_infer")
 # Roles that follow actor_train's devices when they have no device_mapping of their own (ROLL colocates the
@@ -120,8 +120,7 @@ def describe_plan(config: RunConfigBase, roles: Sequence[str]) -> str:
     return plan_roles(config, roles, devices_per_node, num_nodes).describe()
 
 
-def start_roles(config: RunConfigBase, roles: Sequence[str],
-                role_args: Mapping[str, tuple[Any, ...]] | None = None,
+def start_roles(config: RunConfigBase, roles: Sequence[str], specs: Mapping[str, Any] | None = None,
                 cancelled: threading.Event | None = None) -> WorkerGroups:
     """Plan, place and start every role's workers, wait until they are ready, build the trainers' backends
     (data-parallel ranks meet first) and open the weight-broadcast group if the run uses one.
@@ -129,7 +128,8 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
     Args:
         config: the run config.
         roles: the roles to start, in start order (all start concurrently; the order is the plan's).
-        role_args: per role, constructor arguments after `(placement, config)` (e.g. actor_train's objective).
+        specs: each role's worker spec (`worker_specs`; by default from `config`, actor_train training the
+            policy gradient).
         cancelled: when set while the workers start, kill them and raise `StartCancelled`.
 
     Returns:
@@ -139,6 +139,7 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
         ConfigError: a plan the cluster cannot hold. WorkerStartError: a worker that failed to start.
         StartCancelled: `cancelled` was set.
     """
+    specs = specs if specs is not None else worker_specs(config, roles)
     devices_per_node, num_nodes = cluster_shape(config.cluster.device, config.cluster.num_devices)
     plan = plan_roles(config, roles, devices_per_node, num_nodes)
     groups = WorkerGroups(plan, reserve_bundles(plan), timeout_s=config.cluster.watchdog_s)
@@ -146,8 +147,11 @@ def start_roles(config: RunConfigBase, roles: Sequence[str],
         for role in roles:
             if role in plan.hosted:  # served by its host's workers
                 continue
-            worker = HYBRID_WORKER if role in plan.hosted.values() else ROLE_WORKERS[role]
-            groups.spawn(role, import_object(worker), config, *(role_args or {}).get(role, ()))
+            if role in plan.hosted.values():  # one worker for both roles
+                guest = next(hosted for hosted, host in plan.hosted.items() if host == role)
+                groups.spawn(role, import_object(HYBRID_WORKER), HybridSpec(specs[role], specs[guest]))
+            else:
+                groups.spawn(role, import_object(ROLE_WORKERS[role]), specs[role])
         for role in plan.hosted:
             groups.host(role)
         groups.wait_ready(cancelled)
@@ -169,21 +173,24 @@ class RoleLaunch:
     whatever was started (workers killed mid-constructor, Ray shut down) and re-raises. Says on stdout what it
     starts, and when it is ready.
 
-        launch = RoleLaunch(config, roles, role_args, manage_ray)   # returns once Ray is up
+        launch = RoleLaunch(config, roles, specs, manage_ray)   # returns once Ray is up
         with launch.cancelled_on_error():
             inputs = load_prompt_sets(config, roles)     # meanwhile, the workers start
         with launch.running(before_stop) as groups:      # waits for them; stops them on the way out
             ...
 
     Args:
+        specs: each role's worker spec (`worker_specs`), built before Ray starts (a config error a spec finds
+            comes first); None builds them from `config`.
         manage_ray: start Ray (per `config.cluster`) and shut it down at the end (a Ray this process had
             started already is used and left up). False runs in the caller's Ray session and leaves it up
             (tests run many short runs in one session).
     """
 
-    def __init__(self, config: RunConfigBase, roles: Sequence[str],
-                 role_args: Mapping[str, tuple[Any, ...]] | None = None, manage_ray: bool = True):
-        self.config, self.roles, self.role_args = config, list(roles), role_args
+    def __init__(self, config: RunConfigBase, roles: Sequence[str], specs: Mapping[str, Any] | None = None,
+                 manage_ray: bool = True):
+        self.config, self.roles = config, list(roles)
+        self.specs = specs if specs is not None else worker_specs(config, self.roles)
         self.groups: WorkerGroups | None = None
         self.error: BaseException | None = None  # what the start raised, re-raised by `running`
         self._stops_ray = manage_ray and not ray.is_initialized()  # only a Ray it started
@@ -204,7 +211,7 @@ class RoleLaunch:
             started = time.perf_counter()
             _say(f"starting workers: {describe_roles(self.config, self.roles)} ...")
             with span("start workers"):
-                self.groups = start_roles(self.config, self.roles, self.role_args, self._cancelled)
+                self.groups = start_roles(self.config, self.roles, self.specs, self._cancelled)
             _say(f"workers ready in {time.perf_counter() - started:.1f} s")
         except StartCancelled:
             pass
@@ -265,12 +272,12 @@ class RoleLaunch:
 
 
 @contextlib.contextmanager
-def running_roles(config: RunConfigBase, roles: Sequence[str], role_args: Mapping[str, tuple[Any, ...]] | None = None,
+def running_roles(config: RunConfigBase, roles: Sequence[str], specs: Mapping[str, Any] | None = None,
                   manage_ray: bool = True, before_stop: Callable[[WorkerGroups], None] | None = None
                   ) -> Iterator[WorkerGroups]:
     """Start Ray (if managed) and `roles` now and wait for them (`RoleLaunch` with nothing to overlap); on the
     way out, normal or not, stop them all."""
-    with RoleLaunch(config, roles, role_args, manage_ray).running(before_stop) as groups:
+    with RoleLaunch(config, roles, specs, manage_ray).running(before_stop) as groups:
         yield groups
 
 

@@ -11,11 +11,11 @@ import time
 
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.cluster.weight_sync import BroadcastGroup, WeightManifest, WeightReceiver, fetched_bucket
-from rollflow.config import RunConfigBase
 from rollflow.data.seeds import derive_seed
 from rollflow.engines import create_engine
 from rollflow.engines.base import Completion, GenerationRequest
-from rollflow.workers.base import PlacedWorker, move_report, simulation_kwargs, torch_device
+from rollflow.workers.base import PlacedWorker, move_report, simulation_kwargs
+from rollflow.workers.specs import EngineSpec, torch_device
 
 
 class RolloutWorker(PlacedWorker):
@@ -23,15 +23,15 @@ class RolloutWorker(PlacedWorker):
 
     Args:
         placement: where this worker runs.
-        config: the run config (`roles.actor_infer`, `model`, `seed`).
+        spec: the engine's spec (`rollflow.workers.specs.engine_spec`).
     """
 
-    def __init__(self, placement: WorkerPlacement, config: RunConfigBase):
-        super().__init__(placement, config.cluster.device)
+    def __init__(self, placement: WorkerPlacement, spec: EngineSpec):
+        super().__init__(placement, spec.device)
         self.worker_index = placement.index
-        self.device = config.cluster.device
+        self.device = spec.device
         self.broadcast: BroadcastGroup | None = None
-        self.engine = build_engine(config, placement)
+        self.engine = build_engine(spec, placement)
 
     async def generate(self, request: GenerationRequest) -> Completion:
         return await generate_one(self.engine, request, self.worker_index)
@@ -70,8 +70,7 @@ class RolloutWorker(PlacedWorker):
 
     async def open_broadcast(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Join the weight-broadcast group (rank 0 is the trainer), see `rollflow.cluster.weight_sync`."""
-        device = "cuda" if self.device == "gpu" else "cpu"
-        self.broadcast = BroadcastGroup(host, port, rank, world_size, device)
+        self.broadcast = BroadcastGroup(host, port, rank, world_size, torch_device(self.device))
 
     async def offload(self) -> dict[str, float]:
         """Put the engine to sleep (frees its weights / KV cache on GPU) while a colocated role runs."""
@@ -91,19 +90,18 @@ class RolloutWorker(PlacedWorker):
         self.engine.close()
 
 
-def build_engine(config: RunConfigBase, placement: WorkerPlacement):
-    """The engine `roles.actor_infer` configures, for the engine worker placed at `placement` (its index seeds
-    its sampling; on a simulated cluster its devices are its simulated GPUs)."""
-    role, worker_index = config.roles.actor_infer, placement.index
+def build_engine(spec: EngineSpec, placement: WorkerPlacement):
+    """The engine `spec` configures, for the engine worker placed at `placement` (its index seeds its sampling;
+    on a simulated cluster its devices are its simulated GPUs)."""
     # the hf engine runs wherever torch does; vLLM / SGLang pick their GPUs themselves
-    on_device = role.engine == "hf" and "device" not in role.engine_kwargs
-    device = {"device": torch_device(config)} if on_device else {}
+    on_device = spec.engine == "hf" and "device" not in spec.engine_kwargs
+    device = {"device": torch_device(spec.device)} if on_device else {}
     return create_engine(
-        role.engine, model_path=config.model.path, dtype=config.model.dtype, max_batch_size=role.max_batch_size,
+        spec.engine, model_path=spec.model_path, dtype=spec.dtype, max_batch_size=spec.max_batch_size,
         # 32 bits: vLLM and SGLang also seed numpy's global generator, which takes only [0, 2**32)
-        seed=derive_seed(config.seed, "engine", worker_index, bits=32),
-        trust_remote_code=config.model.trust_remote_code, **device, **role.engine_kwargs,
-        **simulation_kwargs(config, placement, "actor_infer", role.engine),
+        seed=derive_seed(spec.seed, "engine", placement.index, bits=32),
+        trust_remote_code=spec.trust_remote_code, **device, **spec.engine_kwargs,
+        **simulation_kwargs(spec.sim, placement),
     )
 
 

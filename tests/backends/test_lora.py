@@ -129,9 +129,11 @@ def test_worker_reference_logprobs_use_the_backends_adapters_off_model(random_mo
     from rollflow.cluster.placement import WorkerPlacement
     from rollflow.config import load_config
     from rollflow.workers.actor_train import ActorTrainWorker
+    from rollflow.workers.specs import trainer_spec
 
     config = load_config(None, [f"model.path={random_model_dir}", "rollout.temperature=0.7"])
-    worker = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1), config, "policy_gradient")
+    worker = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1),
+                             trainer_spec(config, "actor_train"))
     worker.backend = _trained(random_model_dir)  # instead of init_backend: this LoRA backend
     frozen = TorchBackend(TrainerSettings(random_model_dir, device="cpu", trainable=False))
     expected = frozen.forward_logprobs(_batch(), temperature=0.7)

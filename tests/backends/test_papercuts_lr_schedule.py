@@ -15,6 +15,7 @@ from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config import AlgorithmConfig, load_config
 from rollflow.workers.actor_loss import ActorLoss
 from rollflow.workers.actor_train import ActorTrainWorker
+from rollflow.workers.specs import trainer_spec
 from tests.backends.test_torch_backend import _batch
 
 LR, WARMUP = 1e-2, 2
@@ -81,7 +82,8 @@ def _trainer_lrs(worker, updates: int) -> list[float]:
 
 def test_with_a_critic_warm_up_the_actors_cosine_reaches_0_at_its_last_update(random_model_dir):
     config = load_config(None, [f"model.path={random_model_dir}", f"train.lr={LR}", *GAE_RUN])
-    actor = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1), config)
+    actor = ActorTrainWorker(WorkerPlacement("actor_train", 0, (), None, (), threads=1),
+                             trainer_spec(config, "actor_train"))
     # steps 1-2 train only the critic: the actor takes (6 - 2) x 2 = 8 optimizer steps, 1 of them warm-up;
     # the LR after update u (1-based) is LR x 0.5 (1 + cos(pi (u - 1) / 7)): 1, 0.950, ..., 0.188, 0.050, 0
     assert config.actor_optimizer_steps == (6 - 2) * 2

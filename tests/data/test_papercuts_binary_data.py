@@ -37,7 +37,7 @@ def starts(monkeypatch):
     start that was cancelled."""
     cancelled_starts = []
 
-    def start_roles(config, roles, role_args=None, cancelled=None):
+    def start_roles(config, roles, specs=None, cancelled=None):
         assert cancelled is not None and cancelled.wait(60), "a bad data file did not stop the workers' start"
         cancelled_starts.append(list(roles))
         raise StartCancelled

@@ -19,7 +19,8 @@ from rollflow.pipelines.agentic import AgenticStep
 from rollflow.pipelines.loop import PipelineStep
 from rollflow.pipelines.rlvr import RLVRStep
 from rollflow.pipelines.supervised import DistillStep, DPOStep, SFTStep
-from rollflow.workers.objectives import OBJECTIVES
+from rollflow.workers.objectives import OBJECTIVES, PreferenceLoss
+from rollflow.workers.specs import worker_specs
 
 PIPELINE_DIR = Path(__file__).resolve().parents[2] / "rollflow" / "pipelines"
 STEPS = {"rlvr": RLVRStep, "agentic": AgenticStep, "sft": SFTStep, "dpo": DPOStep, "distill": DistillStep}
@@ -57,7 +58,12 @@ def test_the_objective_and_roles_follow_the_step_class():
     assert PIPELINES.get("dpo").roles_of(dpo) == ["actor_train", "reference"]
     assert PIPELINES.get("distill").roles_of(distill) == ["actor_train", "reference"]
     assert PIPELINES.get("sft").roles_of(sft) == ["actor_train"]
-    assert PIPELINES["dpo"].step_class()(dpo).role_args() == {"actor_train": ("preference",)}
+    # each worker's spec, as the frame builds them: DPO's trainer minimizes the preference loss, beside a frozen
+    # reference
+    step = PIPELINES["dpo"].step_class()(dpo)
+    specs = worker_specs(dpo, PIPELINES.get("dpo").roles_of(dpo), step.objective)
+    assert isinstance(specs["actor_train"].loss, PreferenceLoss) and specs["actor_train"].settings.trainable
+    assert specs["reference"].loss is None and not specs["reference"].settings.trainable
 
 
 def _interrupt_at(step_class, monkeypatch, at_step: int) -> None:

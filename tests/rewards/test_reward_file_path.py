@@ -134,13 +134,14 @@ def test_a_model_reward_from_a_file_scores_in_a_reward_worker(project, ray_sessi
     from rollflow.cluster.placement import WorkerPlacement
     from rollflow.config import load_config
     from rollflow.workers.reward import RemoteReward, RewardWorker, model_rewards
+    from rollflow.workers.specs import RewardSpec
 
     config = load_config(None, ['reward.functions=[{name: "rewards/judge.py:length", kwargs: {bonus: 0.5}}, '
                                 '{name: "rewards/score.py:score"}]'])
     rewards = model_rewards(config.reward)
     assert list(rewards) == ["rewards/judge.py:length"]  # the plain one stays on the driver
     placement = WorkerPlacement("reward", 0, (), None, (), threads=1)
-    group = spawn_group("reward", RewardWorker, [placement], None, config, rewards)
+    group = spawn_group("reward", RewardWorker, [placement], None, RewardSpec(rewards))
     try:
         group.wait_ready()
         remote = RemoteReward("rewards/judge.py:length", group)

@@ -26,6 +26,7 @@ from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import episode_metrics, no_episodes_error
 from rollflow.workers.env import EnvWorker
+from rollflow.workers.specs import env_spec
 
 TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
 EOS = TOKENIZER.eos_token_id
@@ -83,7 +84,7 @@ async def until(condition, timeout_s: float = 60.0) -> None:
 def env_worker(env: dict, index: int = 0) -> EnvWorker:
     config = AgenticConfig.model_validate({"env": env})
     placement = WorkerPlacement("env", index, (), None, (), 1)
-    return EnvWorker(placement, config)
+    return EnvWorker(placement, env_spec(config))
 
 
 CORE = ("groups_per_step", "max_refill_groups", "max_staleness", "lockstep", "deterministic", "overprovision",

@@ -10,13 +10,14 @@ from rollflow.registry import UnknownNameError
 from rollflow.workers.actor_loss import ActorLoss
 from rollflow.workers.actor_train import ActorTrainWorker
 from rollflow.workers.objectives import NLLLoss
+from rollflow.workers.specs import trainer_spec
 
 PLACEMENT = WorkerPlacement("actor_train", 0, (), None, (), threads=1)
 
 
 def _worker(model_dir, objective):
     config = load_config(None, [f"model.path={model_dir}", "train.lr=1e-2", "rollout.groups_per_step=8"])
-    return ActorTrainWorker(PLACEMENT, config, objective)
+    return ActorTrainWorker(PLACEMENT, trainer_spec(config, "actor_train", objective))
 
 
 def test_the_objective_is_chosen_by_name(random_model_dir):

@@ -14,6 +14,7 @@ import pytest
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.config.agentic import AgenticConfig
 from rollflow.workers.env import EnvWorker
+from rollflow.workers.specs import env_spec
 
 RESET_RELEASE = threading.Event()  # a "slow_reset" returns once this is set (or after a minute)
 
@@ -49,7 +50,7 @@ def make_broken(mode: str = "ok") -> BrokenEnv:
 def worker(step_timeout_s: float = 30.0, **kwargs) -> EnvWorker:
     config = AgenticConfig.model_validate({"env": {"id": "tests.workers.test_env_worker:make_broken",
                                                    "kwargs": kwargs, "step_timeout_s": step_timeout_s}})
-    return EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), config)
+    return EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), env_spec(config))
 
 
 def play(env_worker: EnvWorker) -> tuple[dict, dict | None]:
@@ -104,8 +105,8 @@ def test_a_constructor_that_refuses_its_kwargs_is_named_and_its_traceback_kept()
 
 
 def test_an_env_that_raises_keeps_its_traceback():
-    env_worker = EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), AgenticConfig.model_validate(
-        {"env": {"id": "frozenlake", "fault_injection": {"raise_fraction": 1.0}}}))
+    env_worker = EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), env_spec(AgenticConfig.model_validate(
+        {"env": {"id": "frozenlake", "fault_injection": {"raise_fraction": 1.0}}})))
     reset, step = play(env_worker)
     assert step["error"] == "env step raised InjectedFault: injected fault: the env raised"
     assert step["traceback"].startswith("Traceback") and "InjectedFault" in step["traceback"]
@@ -127,5 +128,5 @@ def test_check_returns_the_env_s_tools_for_the_first_prompt(tmp_path):
     rows.write_text('{"prompt": "1+1", "answer": "2"}\n')
     config = AgenticConfig.model_validate({"env": {"id": "tool_use", "kwargs": {
         "tools": ["calculator"], "env_kwargs": {"path": str(rows), "reward": "exact_match"}}}})
-    tools = asyncio.run(EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), config).check())["tools"]
+    tools = asyncio.run(EnvWorker(WorkerPlacement("env", 0, (), None, (), 1), env_spec(config)).check())["tools"]
     assert [tool["function"]["name"] for tool in tools] == ["calculator"]

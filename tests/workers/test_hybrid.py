@@ -19,6 +19,7 @@ from rollflow.pipelines.rl_step import PHASES
 from rollflow.spans import take, traced
 from rollflow.workers.hybrid import HybridWorker
 from rollflow.workers.roles import describe_roles, plan_roles
+from rollflow.workers.specs import HybridSpec, engine_spec, trainer_spec
 
 PLACEMENT = WorkerPlacement("actor_train", 0, (), None, (), threads=1)
 HYBRID = ["roles.actor_infer.hybrid=true", "rollout.groups_per_step=8"]
@@ -28,10 +29,14 @@ def _config(*overrides):
     return load_config(None, [*HYBRID, *overrides])
 
 
+def hybrid_spec(config, objective: str) -> HybridSpec:
+    return HybridSpec(trainer_spec(config, "actor_train", objective), engine_spec(config))
+
+
 @pytest.fixture(scope="module")
 def worker(random_model_dir):
     worker = traced(HybridWorker, lambda placement, *_: f"actor_train {placement.index}")(
-        PLACEMENT, _config(f"model.path={random_model_dir}", "train.lr=1e-2"), "nll")
+        PLACEMENT, hybrid_spec(_config(f"model.path={random_model_dir}", "train.lr=1e-2"), "nll"))
     worker.init_backend("127.0.0.1", 0, world_size=1)
     yield worker
     worker.close()

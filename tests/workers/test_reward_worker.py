@@ -35,9 +35,10 @@ from rollflow.rewards import (
 from rollflow.rewards.judge import LLMJudge
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.prompt_groups import PromptGroups
-from rollflow.workers.base import PlacedWorker, torch_device
+from rollflow.workers.base import PlacedWorker
 from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn, model_rewards
 from rollflow.workers.roles import plan_roles
+from rollflow.workers.specs import RewardSpec, reward_spec, torch_device
 
 # Actors of this module's classes get them by value: their processes then skip this module's imports (torch
 # among them, ~3 s of CPU on 2 cores), which importing the class from here would cost each of them.
@@ -171,7 +172,7 @@ def _dead(group: WorkerGroup, timeout_s: float = 30.0) -> bool:
 
 def test_llm_judge_worker_scores_a_group_in_one_call(workers_not_kept):
     rewards = {"llm_judge": resolve_reward("llm_judge", JUDGE_OPTIONS)}
-    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(), rewards)
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, RewardSpec(rewards))
     try:
         group.wait_ready()
         remote = RemoteReward("llm_judge", group)
@@ -196,7 +197,7 @@ def test_a_worker_that_cannot_start_is_a_one_line_error(ray_session, tmp_path):
     (broken / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     reward = resolve_reward("llm_judge", {"model_path": str(broken)})  # passes the driver-side path check
     started = time.perf_counter()
-    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(), {"judge": reward})
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, RewardSpec({"judge": reward}))
     assert time.perf_counter() - started < 5 and len(group) == 1  # loads in the background (~0.05 s) ...
     try:
         with pytest.raises(WorkerStartError, match=r"reward: a worker failed to start: .*") as info:
@@ -217,9 +218,9 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     step_s, delay_s = 0.1, 2.0
     signals = ray.remote(num_cpus=0)(Signals).options(name="test_reward_worker_signals").remote()
     rollout = ray.remote(num_cpus=0)(StaggeredRolloutWorker).remote(step_s, signals)
-    group = spawn_group("reward", RewardWorker, [PLACEMENT], None, _config(),
-                        {"slow": RECORDING.bind({"delay_s": delay_s, "signals": "test_reward_worker_signals"},
-                                                "slow")})
+    group = spawn_group("reward", RewardWorker, [PLACEMENT], None,
+                        RewardSpec({"slow": RECORDING.bind({"delay_s": delay_s, "signals": "test_reward_worker_signals"},
+                                                           "slow")}))
     remote = RemoteReward("slow", group)
     combined = combine_rewards([("exact", lambda c, **row: float(c == row["answer"]), 1.0), ("slow", remote, 0.5)])
     program = PromptGroups(combined, lambda ids: "-".join(map(str, ids)), SamplingParams(n=2))
@@ -285,7 +286,7 @@ def test_build_reward_fn_puts_model_rewards_on_workers_and_plain_ones_on_the_dri
                   "roles.reward.device_mapping=[4, 5, 6, 7]")
     plan = plan_roles(gpu, ["actor_train", "actor_infer", "reward"], devices_per_node=8)
     assert [w.local_devices for w in plan.workers["reward"]] == [(4, 5), (6, 7)]
-    assert torch_device(gpu) == "cuda"
+    assert torch_device(reward_spec(gpu).device) == "cuda"  # its scorers go on CUDA
 
 
 JUDGE = "{name: llm_judge, weight: 0.5, kwargs: {model_path: tiny, max_new_tokens: 4}}"
@@ -331,8 +332,8 @@ def test_reward_workers_sharing_the_trainers_devices_are_offloaded_while_it_trai
     assert "colocated (time-share, offload between phases): actor_train + reward" in plan.describe()
     groups = {role: spawn_group(role, RecordingWorker, plan.workers[role], None, config)
               for role in ("actor_train", "actor_infer")}
-    groups["reward"] = spawn_group("reward", MovesRewardWorker, plan.workers["reward"], None, config,
-                                   {"slow": RECORDING.bind({"delay_s": 0.0}, "slow")})
+    groups["reward"] = spawn_group("reward", MovesRewardWorker, plan.workers["reward"], None,
+                                   RewardSpec({"slow": RECORDING.bind({"delay_s": 0.0}, "slow")}, "cpu"))
     try:
         for group in groups.values():
             group.wait_ready()

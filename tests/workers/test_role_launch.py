@@ -12,7 +12,6 @@ from rollflow.config import load_config
 from rollflow.workers.roles import RoleLaunch
 
 ROLES = ["actor_train", "actor_infer"]
-ROLE_ARGS = {"actor_train": ("policy_gradient",)}
 
 
 def _config(model_dir, *overrides):
@@ -36,7 +35,7 @@ def _until(condition, timeout_s: float = 20.0) -> bool:
 def test_a_failed_check_kills_the_starting_workers(workers_not_kept, random_model_dir):
     # new workers (none adopted from the session's kept ones): their constructors import torch and transformers
     before = set(_actors())
-    launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=False)
+    launch = RoleLaunch(_config(random_model_dir), ROLES, manage_ray=False)
     assert _until(lambda: set(_actors()) - before, 60), "the launch created no worker"
     with pytest.raises(ValueError, match="row 3 has no prompt"):
         with launch.cancelled_on_error():
@@ -51,7 +50,7 @@ def test_a_failed_check_kills_the_starting_workers(workers_not_kept, random_mode
 
 
 def test_workers_started_meanwhile_serve_the_run(workers_not_kept, random_model_dir):
-    launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=False)
+    launch = RoleLaunch(_config(random_model_dir), ROLES, manage_ray=False)
     with launch.cancelled_on_error():
         checked = sum(range(1000))  # the driver's own work, while the workers start
     with launch.running() as groups:
@@ -66,7 +65,7 @@ def test_a_worker_that_fails_to_start_is_reported_when_awaited(ray_session, tmp_
     broken = tmp_path / "broken_model"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    launch = RoleLaunch(_config(broken), ROLES, ROLE_ARGS, manage_ray=False)
+    launch = RoleLaunch(_config(broken), ROLES, manage_ray=False)
     with launch.cancelled_on_error():
         pass  # the checks pass (they would not read this model in a real run)
     with pytest.raises(WorkerStartError, match="actor_train: a worker failed to start"):
@@ -77,7 +76,7 @@ def test_a_worker_that_fails_to_start_is_reported_when_awaited(ray_session, tmp_
 def test_a_launch_leaves_up_a_ray_it_did_not_start(ray_session, random_model_dir):
     """`manage_ray=True` in a process whose Ray is already up (a notebook's, a test session's): the launch
     uses it and, stopped by a failed check, leaves it running."""
-    launch = RoleLaunch(_config(random_model_dir), ROLES, ROLE_ARGS, manage_ray=True)
+    launch = RoleLaunch(_config(random_model_dir), ROLES, manage_ray=True)
     with pytest.raises(ValueError, match="bad row"):
         with launch.cancelled_on_error():
             raise ValueError("bad row")
