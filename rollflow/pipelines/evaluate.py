@@ -23,11 +23,11 @@ from rollflow.errors import ConfigError
 from rollflow.inputs.prompt_sets import load_prompt_sets
 from rollflow.pipelines.phases import check_group_by, eval_group_metrics, prompt_rollout
 from rollflow.pipelines.run_directory import check_run_dir_writable, prepare_run_dir
+from rollflow.rewards import model_rewards
 from rollflow.rollout.filters import check_some_succeeded, failure_warning
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.trackers.durable_files import append_records
 from rollflow.trackers.samples import write_samples
-from rollflow.workers.reward import model_rewards
 from rollflow.workers.roles import running_roles
 
 

@@ -16,13 +16,13 @@ from rollflow.inputs.prompt_sets import build_sampler, load_prompt_sets
 from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.phases import check_group_by, eval_summary_lines, evaluate, prompt_rollout
 from rollflow.pipelines.rl_step import RLStep, StepSamples
+from rollflow.rewards import configured_rewards, model_rewards
 from rollflow.rewards.registry import warm_up_rewards
 from rollflow.rollout.core import RolloutCore, RolloutResult
 from rollflow.rollout.filters import check_some_succeeded, failure_warning, usable
 from rollflow.rollout.metrics import rollout_metrics
 from rollflow.trackers.trackers import RL_COLUMNS
 from rollflow.workers.advantages import AdvantageStage
-from rollflow.workers.reward import configured_rewards, model_rewards
 
 
 def rlvr_roles(config: RLVRConfig) -> list[str]:

@@ -14,6 +14,7 @@ from rollflow.rewards.combine import (
     RewardScoreError,
     combine_rewards,
 )
+from rollflow.rewards.configured import configured_rewards, model_rewards
 from rollflow.rewards.judge import HTTPJudgeOptions, LLMJudgeOptions, parse_score, render_judge_prompt
 from rollflow.rewards.math import boxed_format, exact_match, length_penalty, math_answer
 from rollflow.rewards.registry import (
@@ -53,11 +54,13 @@ __all__ = [
     "boxed_format",
     "code_tests",
     "combine_rewards",
+    "configured_rewards",
     "detect_isolation",
     "exact_match",
     "instruction_rules",
     "length_penalty",
     "math_answer",
+    "model_rewards",
     "parse_score",
     "render_judge_prompt",
     "require_column",

@@ -1,7 +1,8 @@
 """`critic` role: a value model (the policy's backbone + a scalar head) for PPO with GAE.
 
 The driver calls `compute_values` before the advantage stage (values go to `batch.extras["values"]`) and
-`train` after it (regressing on `batch.extras["returns"]` with the clipped value loss).
+`train` after it (regressing on `batch.extras["returns"]` with the clipped value loss,
+`rollflow.workers.objectives.CriticLoss`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import time
 
 import torch
 
-from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, clipped_value_loss
 from rollflow.cluster.placement import WorkerPlacement
 from rollflow.data.sample import Batch
 from rollflow.data.seeds import derive_seed
@@ -18,38 +18,6 @@ from rollflow.errors import NonFiniteError
 from rollflow.workers.base import PlacedWorker, build_backend, nonfinite_in_role
 from rollflow.workers.objectives import train_mini_batches
 from rollflow.workers.specs import TrainerSpec
-
-
-class CriticLoss:
-    """`loss_fn(values, micro_batch, normalizer) -> (loss, metrics)` for `TorchBackend.train_step`.
-
-    `algorithms.clipped_value_loss` against `extras["returns"]`, clipped around the rollout-time values
-    `extras["values"]`, reduced with the actor's `loss_aggregation` (as verl does).
-
-    Args:
-        aggregation: a `LOSS_AGGREGATIONS` name.
-        value_clip: the value clip range, or None.
-    """
-
-    def __init__(self, aggregation: str, value_clip: float | None):
-        self.aggregation = LOSS_AGGREGATIONS.get(aggregation)
-        self.value_clip = value_clip
-
-    def __call__(self, values: torch.Tensor, batch: Batch, normalizer: LossNormalizer):
-        mask = batch.response_mask  # [b, T]
-        old_values, returns = batch.extras["values"], batch.extras["returns"]  # [b, T], [b, T]
-        per_token = clipped_value_loss(values, old_values, returns, mask, self.value_clip)  # [b, T]
-        loss = self.aggregation(per_token, mask, normalizer)
-        tokens = mask.sum().clamp(min=1.0)
-        metrics = {
-            "critic/value_loss": float((per_token.detach()).sum() / tokens),
-            "critic/values_mean": float((values.detach() * mask).sum() / tokens),
-            "critic/returns_mean": float((returns * mask).sum() / tokens),
-        }
-        if self.value_clip is not None:
-            outside = (values.detach() - old_values).abs() > self.value_clip  # [b, T]
-            metrics["critic/value_clip_frac"] = float((outside.float() * mask).sum() / tokens)
-        return loss, metrics
 
 
 class CriticWorker(PlacedWorker):

@@ -12,6 +12,8 @@ the global loss normalization. `loss_fn(logits, micro_batch, normalizer) -> (los
 - `preference`: DPO / IPO / cDPO over rows that alternate chosen, rejected (`PreferenceLoss`).
 - `distill`: (1 - w) * CE + w * KD against the teacher's top-k log-probs (`DistillLoss`).
 
+The critic's value loss (`CriticLoss`) is here too, beside them: the loss the `critic` role trains.
+
 An objective may also have `prepare(batch, backend) -> metrics`, which the trainer runs once on the whole
 batch before splitting it (a forward pass over every row, say), so the loss of a micro-batch can use numbers
 of rows that sit in other micro-batches or on other ranks.
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, token_nll
+from rollflow.algorithms import LOSS_AGGREGATIONS, LossNormalizer, clipped_value_loss, token_nll
 from rollflow.algorithms.distillation import DIVERGENCES, distill_token_loss, restrict_to_topk
 from rollflow.algorithms.preference import (
     PREFERENCE_LOSSES,
@@ -158,6 +160,38 @@ def distill(config) -> DistillLoss:
     """The distillation pipeline's loss: `config.distill`."""
     settings = config.distill
     return DistillLoss(settings.divergence, settings.divergence_kwargs, settings.kd_weight, settings.temperature)
+
+
+class CriticLoss:
+    """`loss_fn(values, micro_batch, normalizer) -> (loss, metrics)` for `TorchBackend.train_step`.
+
+    `algorithms.clipped_value_loss` against `extras["returns"]`, clipped around the rollout-time values
+    `extras["values"]`, reduced with the actor's `loss_aggregation` (as verl does).
+
+    Args:
+        aggregation: a `LOSS_AGGREGATIONS` name.
+        value_clip: the value clip range, or None.
+    """
+
+    def __init__(self, aggregation: str, value_clip: float | None):
+        self.aggregation = LOSS_AGGREGATIONS.get(aggregation)
+        self.value_clip = value_clip
+
+    def __call__(self, values: torch.Tensor, batch: Batch, normalizer: LossNormalizer):
+        mask = batch.response_mask  # [b, T]
+        old_values, returns = batch.extras["values"], batch.extras["returns"]  # [b, T], [b, T]
+        per_token = clipped_value_loss(values, old_values, returns, mask, self.value_clip)  # [b, T]
+        loss = self.aggregation(per_token, mask, normalizer)
+        tokens = mask.sum().clamp(min=1.0)
+        metrics = {
+            "critic/value_loss": float((per_token.detach()).sum() / tokens),
+            "critic/values_mean": float((values.detach() * mask).sum() / tokens),
+            "critic/returns_mean": float((returns * mask).sum() / tokens),
+        }
+        if self.value_clip is not None:
+            outside = (values.detach() - old_values).abs() > self.value_clip  # [b, T]
+            metrics["critic/value_clip_frac"] = float((outside.float() * mask).sum() / tokens)
+        return loss, metrics
 
 
 def train_mini_batches(backend, batch: Batch, loss_fn, mini_batches: int,

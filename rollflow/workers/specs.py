@@ -158,7 +158,7 @@ def trainer_spec(config, role: str, objective: str = "policy_gradient") -> Train
         settings = trainer_settings(config, lr=train.lr, lora=lora, total_steps=config.actor_optimizer_steps)
         return TrainerSpec(settings=settings, loss=OBJECTIVES.get(objective)(config), **common)
     if role == "critic":
-        from rollflow.workers.critic import CriticLoss
+        from rollflow.workers.objectives import CriticLoss
 
         algorithm = config.algorithm
         return TrainerSpec(settings=trainer_settings(config, lr=train.critic_lr, value_head=True),
@@ -185,7 +185,7 @@ def reward_spec(config) -> RewardSpec:
         RewardLoadError: a reward that does not resolve, or one model reward configured with two sets of
             options.
     """
-    from rollflow.workers.reward import model_rewards
+    from rollflow.rewards import model_rewards
 
     return RewardSpec(model_rewards(config.reward), config.cluster.device)
 

@@ -24,7 +24,7 @@ from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
 from rollflow.data.sample import Sample, collate
 from rollflow.workers.actor_loss import ActorLoss
-from rollflow.workers.critic import CriticLoss
+from rollflow.workers.objectives import CriticLoss
 
 WORLD = 2
 LR = 1e-3

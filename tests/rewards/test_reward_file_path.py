@@ -133,7 +133,8 @@ def test_a_model_reward_from_a_file_scores_in_a_reward_worker(project, ray_sessi
     from rollflow.cluster.groups import spawn_group
     from rollflow.cluster.placement import WorkerPlacement
     from rollflow.config import load_config
-    from rollflow.workers.reward import RemoteReward, RewardWorker, model_rewards
+    from rollflow.rewards import model_rewards
+    from rollflow.workers.reward import RemoteReward, RewardWorker
     from rollflow.workers.specs import RewardSpec
 
     config = load_config(None, ['reward.functions=[{name: "rewards/judge.py:length", kwargs: {bonus: 0.5}}, '

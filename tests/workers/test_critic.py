@@ -8,7 +8,7 @@ from rollflow.backends.base import TrainerSettings
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.backends.value_model import ValueModel, response_values
 from rollflow.data.sample import Sample, collate
-from rollflow.workers.critic import CriticLoss
+from rollflow.workers.objectives import CriticLoss
 
 
 def _samples():

@@ -30,13 +30,14 @@ from rollflow.rewards import (
     RewardLoadError,
     ScoreError,
     combine_rewards,
+    model_rewards,
     resolve_reward,
 )
 from rollflow.rewards.judge import LLMJudge
 from rollflow.rollout.core import CoreSettings, RolloutCore
 from rollflow.rollout.prompt_groups import PromptGroups
 from rollflow.workers.base import PlacedWorker
-from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn, model_rewards
+from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn
 from rollflow.workers.roles import plan_roles
 from rollflow.workers.specs import RewardSpec, reward_spec, torch_device
 

@@ -13,8 +13,7 @@ from rollflow.config import RunConfigBase, load_config
 from rollflow.errors import ConfigError
 from rollflow.pipelines.plan import Candidate, simulated_overrides
 from rollflow.workers.actor_loss import ActorLoss
-from rollflow.workers.critic import CriticLoss
-from rollflow.workers.objectives import NLLLoss
+from rollflow.workers.objectives import CriticLoss, NLLLoss
 from rollflow.workers.specs import (
     EngineSpec,
     EnvSpec,
