@@ -23,8 +23,10 @@ tokens, 99th percentile 20x that, capped at 8,192).
   plane costs on this machine's 2 cores, sampled by py-spy when it is installed.
 
 Throughput is trained samples per simulated second over the steps after the first two (wall time x
-`time_scale`); only samples within the staleness bound train (stale groups are dropped: `stale_fraction`), and
-every variant trains the same samples a step, so the ratios compare equal staleness-corrected sample counts.
+`time_scale`); every variant trains the same samples a step. The asynchronous runs keep the staleness bound at
+admission (`rollout.staleness_control: admission`, the default: nothing is dropped); `async_k1_drop` and
+`async_k2_drop` keep it the old way, dropping groups that finished too old (`stale_dropped_frac`), which drops
+the long responses first: `trained_length_ratio` is the mean trained response length over sync's.
 The driver's own CPU time is multiplied by `time_scale` too (it is not simulated), so the GPU parts run at 10:
 its ~0.1-0.3 s of wall time a step is then 1-3 simulated seconds of a ~80 s step.
 
@@ -57,6 +59,9 @@ QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
 PROFILE = "h800-7b"
 TOKEN_SCALE = 16  # simulated tokens per payload token
 MAX_TOKENS = 8192  # simulated response limit
+# Seeds per group (by its index in the stream of keys): every RLVR variant below draws the same response lengths
+# for the same groups, so their trained response lengths compare what each variant trains, not sampling noise.
+SAME_DRAWS = "rollout.deterministic=true"
 
 
 def agentic_overrides(gpus: int, time_scale: float, steps: int, median_s: float, sigma: float,
@@ -141,6 +146,11 @@ class Bench:
     def ratio(self, name: str, baseline: str) -> float:
         return self.runs[name]["samples_per_s"] / self.runs[baseline]["samples_per_s"]
 
+    def length_ratio(self, name: str, baseline: str) -> float:
+        """The mean trained response of `name` over `baseline`'s (the same length distribution: 1 when nothing
+        favours a length)."""
+        return self.runs[name]["trained_response_len"] / self.runs[baseline]["trained_response_len"]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -159,17 +169,28 @@ def main() -> None:
     start_ray(num_cpus=2)
     try:
         if parts & {"async", "partial", "tail"}:
-            bench.rlvr("sync", Candidate(gpus, gpus, True, 0))
+            bench.rlvr("sync", Candidate(gpus, gpus, True, 0), SAME_DRAWS)
         if parts & {"async", "partial"}:
             for k in (1, 2):
-                bench.rlvr(f"async_k{k}", Candidate(half, gpus - half, False, k))
+                bench.rlvr(f"async_k{k}", Candidate(half, gpus - half, False, k), SAME_DRAWS)
             result["async_speedup"] = {f"k{k}": bench.ratio(f"async_k{k}", "sync") for k in (1, 2)}
+            result["stale_dropped_frac"] = {f"k{k}": bench.runs[f"async_k{k}"]["stale_fraction"] for k in (1, 2)}
+            result["trained_length_ratio"] = {f"k{k}": bench.length_ratio(f"async_k{k}", "sync") for k in (1, 2)}
+        if "async" in parts:  # the old way of keeping the bound, beside: drop what finished too old
+            for k in (1, 2):
+                bench.rlvr(f"async_k{k}_drop", Candidate(half, gpus - half, False, k), SAME_DRAWS,
+                           "rollout.staleness_control=drop")
+            result["drop_mode"] = {
+                "async_speedup": {f"k{k}": bench.ratio(f"async_k{k}_drop", "sync") for k in (1, 2)},
+                "stale_dropped_frac": {f"k{k}": bench.runs[f"async_k{k}_drop"]["stale_fraction"] for k in (1, 2)},
+                "trained_length_ratio": {f"k{k}": bench.length_ratio(f"async_k{k}_drop", "sync") for k in (1, 2)}}
         if "partial" in parts:
-            bench.rlvr("async_k1_resubmit", Candidate(half, gpus - half, False, 1), "rollout.partial_rollout=resubmit")
+            bench.rlvr("async_k1_resubmit", Candidate(half, gpus - half, False, 1), SAME_DRAWS,
+                       "rollout.partial_rollout=resubmit")
             result["partial_rollout_speedup"] = {"continue": bench.ratio("async_k1", "sync"),
                                                  "resubmit": bench.ratio("async_k1_resubmit", "sync")}
         if "tail" in parts:
-            bench.rlvr("tail", Candidate(gpus, gpus, True, 0), "rollout.overprovision=1.25",
+            bench.rlvr("tail", Candidate(gpus, gpus, True, 0), SAME_DRAWS, "rollout.overprovision=1.25",
                        "rollout.long_round_every=4")
             result["tail_batching_speedup"] = bench.ratio("tail", "sync")
         if "agentic" in parts:

@@ -77,10 +77,18 @@ class GroupFlowFields(Strict):
     max_staleness: int = Field(
         default=0, ge=0,
         description="Asynchronous training (ROLL Flash): the engines keep generating (envs keep playing) while "
-                    "the trainer trains, at most this many policy versions ahead; a group whose oldest token is "
-                    "older is dropped (`rollout/groups/stale`). 0: synchronous steps; a bound above `train.steps` "
-                    "acts as `train.steps`. Needs `actor_infer` on devices disjoint from the trainer's "
+                    "the trainer trains, at most this many policy versions ahead (`staleness_control` says how "
+                    "the bound is kept). 0: synchronous steps; a bound above `train.steps` acts as "
+                    "`train.steps`. Needs `actor_infer` on devices disjoint from the trainer's "
                     "(`device_mapping`); RLVR turns on `algorithm.train_infer_correction` unless set.")
+    staleness_control: Literal["admission", "drop"] = Field(
+        default="admission",
+        description="How asynchronous training keeps `max_staleness`: `admission` bounds it where a group is "
+                    "drawn, and steps take their groups in the order they were drawn: a slow group holds its step "
+                    "back while later groups keep generating, no finished group is dropped and no response length "
+                    "is favoured. `drop` hands out the first groups to finish and drops a group whose oldest token "
+                    "is older than the bound (`rollout/stale_dropped`): faster when responses have a long tail, but "
+                    "the long ones are dropped, which biases training towards short answers (docs/async.md).")
     partial_rollout: Literal["continue", "resubmit"] = Field(
         default="continue",
         description="Asynchronous mode, when new weights reach the engines mid-generation: `continue` (the "

@@ -175,7 +175,8 @@ def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, tok
                max_new_tokens: int | None = None) -> dict[str, float]:
     """Trained samples per simulated second after `warmup` steps (`metrics.jsonl`), with the median step and
     its rollout and training time, in simulated seconds, the share of groups dropped as stale, and the mean
-    trained response in simulated tokens (dropping stale groups drops long responses first).
+    trained response in simulated tokens and in payload tokens (`staleness_control: drop` drops long
+    responses first).
 
     A response of `d` simulated tokens carries `ceil(d / token_scale)` payload tokens, so `token_scale` x the
     payload's mean overstates the mean by less than `token_scale`; no mean exceeds the response limit
@@ -189,6 +190,7 @@ def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, tok
     stale = sum(row.get("rollout/groups/stale", 0.0) for row in steps)
     consumed = sum(row.get("rollout/groups/consumed", 0.0) for row in steps)
     response = token_scale * statistics.fmean(row.get("rollout/response_length", 0.0) for row in steps)
+    trained = [row["rollout/trained_response_len_mean"] for row in steps if "rollout/trained_response_len_mean" in row]
     return {
         "samples_per_s": sum(row.get("train/usable_samples", row.get("train/samples", 0.0)) for row in steps) / seconds,
         "step_s": statistics.median(row["time/step"] * time_scale for row in steps),
@@ -197,6 +199,8 @@ def throughput(run_dir: Path, time_scale: float, warmup: int = WARMUP_STEPS, tok
         "stale_fraction": stale / max(1.0, stale + consumed),
         "staleness_max": max((row.get("staleness/max", 0.0) for row in steps), default=0.0),
         "response_tokens": min(response, math.inf if max_new_tokens is None else max_new_tokens),
+        # the mean trained response in payload tokens (no rounding to simulated tokens): what a bias in length shows in
+        "trained_response_len": statistics.fmean(trained) if trained else 0.0,
     }
 
 

@@ -6,7 +6,8 @@ env group (agentic: episodes of turns against env workers; rollflow/rollout/env_
 `EngineRouter` (rollflow/rollout/router.py) calls engine workers. A group's life:
 
     queued -> generating -> scoring -> ready -> consumed
-                  |            |          `--> stale     (older than max_staleness when handed out)
+                  |            |          `--> stale     (`staleness_control: drop` only: older than
+                  |            |                          max_staleness when handed out)
                   |            `--> filtered | failed    (the program dropped it: difficulty mask, failures)
                   `--> aborted                           (over-provisioning cut it; it waits for a long round)
 
@@ -20,8 +21,13 @@ The policy, the same for every program:
   cut keys wait in a long queue and run together in a long round (every `long_round_every`-th step, or once
   the queue holds P).
 * **asynchronous training** (ROLL Flash, `max_staleness` = K > 0): groups keep playing while the trainer
-  trains, at most K steps ahead; a group whose oldest token is more than K versions older than the trainer's
-  is dropped when handed out (`stale`). New weights reach the engines between tokens (`continue`); with
+  trains, drawn at most K steps ahead. With `staleness_control: admission` (the default) the staleness is
+  bounded where a group is admitted: groups are handed out in the order they were drawn, so a group drawn for
+  step s (by weights at most K versions older) trains at step s; a slow group holds its step back while the
+  next steps' groups keep generating, and no finished group is ever dropped, so no response length is
+  favoured. With `staleness_control: drop` the first groups to finish are handed out (the stalest first) and a
+  group whose oldest token is more than K versions older than the trainer's is dropped (`stale`): faster, but
+  the long responses are the ones dropped. New weights reach the engines between tokens (`continue`); with
   `resubmit` a weight update aborts what is generating and each unfinished sample continues from its tokens.
 * **rounds**: with `deterministic` (and K = 0, eta = 1) or `lockstep`, a step's groups go out as one round:
   every request of the round is released together, each worker's share as one batch, so the same run gets
@@ -103,6 +109,7 @@ class CoreSettings:
     overprovision: float = 1.0
     long_round_every: int = 0
     partial_rollout: str = "continue"  # or "resubmit"
+    staleness_control: str = "admission"  # or "drop"
     deterministic: bool = False  # seeds per group; rounds when synchronous and not over-provisioned
     lockstep: bool = False  # every step a round, whatever the rest (the batch-of-envs baseline)
     seed: int = 0
@@ -117,6 +124,11 @@ class CoreSettings:
     def tail_batching(self) -> bool:
         """Over-provisioned synchronous steps: cut the slowest groups and run them in long rounds."""
         return self.overprovision > 1 and self.max_staleness == 0
+
+    @property
+    def in_draw_order(self) -> bool:
+        """Asynchronous steps take their groups in the order they were drawn (staleness bounded at admission)."""
+        return self.max_staleness > 0 and self.staleness_control == "admission"
 
     @property
     def rounds(self) -> bool:
@@ -139,7 +151,7 @@ def core_settings(config, eval_only: bool = False) -> CoreSettings:
         max_staleness=min(rollout.max_staleness, config.train.steps),
         max_refill_groups=rollout.refill_bound, overprovision=rollout.overprovision,
         long_round_every=rollout.long_round_every, partial_rollout=rollout.partial_rollout,
-        deterministic=rollout.deterministic, lockstep=getattr(rollout, "lockstep", False), **common)
+        staleness_control=rollout.staleness_control, deterministic=rollout.deterministic, lockstep=getattr(rollout, "lockstep", False), **common)
 
 
 @dataclass(eq=False)
@@ -303,6 +315,7 @@ class RolloutCore:
         self._dropped: list[Sample] = []
         self._wasted_tokens = 0
         self._generated_tokens = 0
+        self._generated_lengths: list[int] = []  # response lengths of the samples finished since the last step
         self._reward_wait = 0.0  # waiting for scores with nothing left generating
         self._error: BaseException | None = None
         self._last_handout = time.perf_counter()
@@ -319,8 +332,9 @@ class RolloutCore:
 
         Args:
             step: the training step the batch is for (long rounds fall on `long_round_every` multiples).
-            policy_version: the version of the weights the trainer updates with this batch; groups whose oldest
-                token is more than `max_staleness` versions older are dropped (`stale`).
+            policy_version: the version of the weights the trainer updates with this batch; with
+                `staleness_control: drop`, groups whose oldest token is more than `max_staleness` versions older
+                are dropped (`stale`).
         """
         return self._run(self._next_batch(step, policy_version))
 
@@ -380,7 +394,8 @@ class RolloutCore:
         while True:
             self._raise_error()
             self._launch()
-            self._drop_stale(policy_version)
+            if not self.settings.in_draw_order:
+                self._drop_stale(policy_version)
             batch = self._take_batch(long_round)
             if batch is not None:
                 break
@@ -457,7 +472,9 @@ class RolloutCore:
             self._wasted_tokens += group.tokens()
             self._end(group, GroupState.ABORTED)
             self._long_queue.append(self._new_group(group.key, group.index, long=True))
-        elif state == GroupState.READY:
+            return
+        self._generated_lengths += [len(s.response_ids) for s in group.samples]
+        if state == GroupState.READY:
             group.state = GroupState.READY
             self._ready.append(group)
         else:  # filtered, failed: replaced within the refill bound
@@ -470,6 +487,8 @@ class RolloutCore:
     def _take_batch(self, long_round: bool) -> list[Group] | None:
         """The batch if it can be handed out now: P ready groups, or fewer once nothing more can come."""
         wanted = self.settings.groups_per_step
+        if self.settings.in_draw_order:
+            return self._take_in_draw_order(wanted)
         if len(self._ready) < wanted:
             if self._quota or self._queue or self._live:
                 return None
@@ -483,6 +502,22 @@ class RolloutCore:
             for group in self._live:
                 group.cut = True
                 self.router.abort_owner(group)
+        return batch
+
+    def _take_in_draw_order(self, wanted: int) -> list[Group] | None:
+        """Staleness bounded at admission: the P ready groups drawn first, none drawn after a group that is still
+        queued or playing (it holds the batch back; the groups after it keep generating). Fewer once nothing
+        more can come."""
+        pending = min((g.index for g in (*self._queue, *self._live)), default=math.inf)
+        self._ready.sort(key=lambda g: g.index)
+        batch = [g for g in self._ready if g.index < pending][:wanted]
+        if len(batch) < wanted:
+            if self._quota or self._queue or self._live:
+                return None
+            self._bound_hit = True  # nothing more can come: the step trains on fewer groups
+        self._ready = self._ready[len(batch):]
+        for group in batch:
+            self._end(group, GroupState.CONSUMED)
         return batch
 
     async def _settle(self) -> None:
@@ -540,6 +575,15 @@ class RolloutCore:
             "time/reward_wait": self._reward_wait,
             **self.program.batch_metrics(samples, self._ended),
         })
+        trained = [len(s.response_ids) for s in usable(samples)]
+        if trained:
+            metrics["rollout/trained_response_len_mean"] = statistics.fmean(trained)
+            # sampled by more than one policy version: new weights reached it mid-response (partial rollout)
+            metrics["rollout/mixed_version_frac"] = statistics.fmean(
+                len(set(s.policy_versions)) > 1 for s in usable(samples))
+        if self._generated_lengths:
+            metrics["rollout/generated_response_len_mean"] = statistics.fmean(self._generated_lengths)
+        metrics["rollout/stale_dropped"] = float(self._ended[GroupState.STALE])
         if staleness:
             metrics["staleness/mean"] = statistics.fmean(staleness)
             metrics["staleness/max"] = float(max(staleness))
@@ -548,6 +592,7 @@ class RolloutCore:
         samples = samples + self._dropped
         self._ended.clear()
         self._dropped, self._wasted_tokens, self._generated_tokens, self.resubmitted = [], 0, 0, 0
+        self._generated_lengths = []
         self._reward_wait = 0.0
         return RolloutResult(samples, metrics)
 

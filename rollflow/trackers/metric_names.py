@@ -146,7 +146,20 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
                    "keys wait for a long round."),
             Metric("rollout/groups/stale", COUNT,
                    "Groups dropped as older than `rollout.max_staleness` policy versions since the last "
-                   "step."),
+                   "step (`rollout.staleness_control: drop`; always 0 with `admission`)."),
+            Metric("rollout/stale_dropped", COUNT,
+                   "The same count under the name the async reports use: groups dropped for staleness since "
+                   "the last step."),
+            Metric("rollout/trained_response_len_mean", "tokens",
+                   "Mean response length of the samples this step trains on."),
+            Metric("rollout/mixed_version_frac", FRACTION,
+                   "Fraction of the samples this step trains on that more than one policy version sampled: new "
+                   "weights reached them mid-response (partial rollout; each token's version is in "
+                   "`Sample.policy_versions`)."),
+            Metric("rollout/generated_response_len_mean", "tokens",
+                   "Mean response length of the samples that finished generating since the last step, whether "
+                   "they train now, later, or are dropped: beside the trained mean, it shows whether dropping "
+                   "favours a length."),
             Metric("rollout/groups/queued", COUNT,
                    "Groups waiting to send their first request when the step's batch was handed out."),
             Metric("rollout/groups/generating", COUNT,

@@ -5,6 +5,7 @@ partial rollout. (The env-group program gets the same policy: tests/rollout/test
 import asyncio
 import random
 import sys
+import threading
 import time
 
 import pytest
@@ -25,11 +26,14 @@ class _FakeEngine:
     """An engine worker: prompt [k] answers `k % 7` after `delays[k]` seconds (default 0), one token per
     `tokens[k]`; every token carries the engine's current version, read as each token is "sampled". The first
     request of a key in `held` answers only once it is aborted (a long tail that is cut whatever the machine's
-    speed)."""
+    speed); a key in `gated` samples its first token, then waits for `open_gate(key)` (a slow response that
+    started by the weights of its time)."""
 
     def __init__(self, delays: dict[int, float] | None = None, tokens: dict[int, int] | None = None,
-                 jitter: float = 0.0, seed: int = 0, held: frozenset[int] = frozenset()):
+                 jitter: float = 0.0, seed: int = 0, held: frozenset[int] = frozenset(),
+                 gated: frozenset[int] = frozenset()):
         self.delays, self.tokens, self.jitter, self.held = delays or {}, tokens or {}, jitter, held
+        self.gated, self.opened = gated, set()
         self.random = random.Random(seed)
         self.version, self.aborted, self.requests, self.served = 0, set(), [], 0
         self.active: set[str] = set()  # requests being answered
@@ -54,6 +58,8 @@ class _FakeEngine:
                 if request_id in self.aborted:
                     break
                 versions.append(self.version)
+                if key in self.gated:
+                    await _until(lambda: key in self.opened)
                 if len(versions) < length:
                     self.midway.add(request_id)
             self.midway.discard(request_id)
@@ -82,6 +88,9 @@ class _FakeEngine:
             if pause:
                 self.paused.update(self.midway)
         self.version = version
+
+    async def open_gate(self, key):
+        self.opened.add(key)
 
     async def seen(self):
         return list(self.requests)
@@ -232,6 +241,66 @@ def test_asynchronous_batches_never_exceed_the_staleness_bound(ray_session, max_
         ray.kill(worker)
 
 
+def _constant(completion, **row):
+    return 1.0, {}
+
+
+def test_staleness_bounded_at_admission_trains_the_slow_group_in_its_step_and_drops_nothing(ray_session):
+    """Key 0's response is slow (its first token by version 0, the rest once the next step's groups are done):
+    it holds step 1 back while the groups drawn for step 2 generate, and every step trains the groups drawn for
+    it, in draw order, within the bound; nothing is dropped, so the trained responses are as long as the
+    generated ones."""
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={0: 8}, gated=frozenset({0}))
+    stream = _stream([worker], dict(groups_per_step=2, max_staleness=1), _prompts(40), reward=_constant)
+    # the gate opens once keys 1-3 (the rest of step 1's and step 2's groups) are done: held back, not cut
+    opener = threading.Thread(target=lambda: (_wait_until(lambda: ray.get(worker.served_requests.remote()) >= 3),
+                                              ray.get(worker.open_gate.remote(0))))
+    opener.start()
+    batches, metrics = [], []
+    try:
+        for version in range(5):
+            result = stream.next_batch(step=version + 1, policy_version=version)
+            batches.append(_keys(result))
+            metrics.append(result.metrics)
+            ray.get(worker.set_version.remote(version + 1))
+    finally:
+        opener.join()
+        stream.close()
+        ray.kill(worker)
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # draw order, whatever finished first
+    assert all(m["rollout/stale_dropped"] == 0 and m["staleness/max"] <= 1 for m in metrics)
+    # step 1 trains keys 0 and 1 (2 samples each: 8 and 1 tokens); by then keys 0-3 had finished
+    assert metrics[0]["rollout/trained_response_len_mean"] == (8 + 1) / 2
+    assert metrics[0]["rollout/generated_response_len_mean"] == (2 * 8 + 6 * 1) / 8
+
+
+def test_staleness_by_dropping_drops_the_slow_group(ray_session):
+    """`staleness_control: drop` hands out the groups that finish first: key 0, started by version 0 and
+    finished after two updates, is too old to train and is dropped (and its long answers with it)."""
+    worker = ray.remote(num_cpus=0)(_FakeEngine).remote(tokens={0: 8}, gated=frozenset({0}))
+    settings = dict(groups_per_step=2, max_staleness=1, staleness_control="drop", max_refill_groups=0)
+    stream = _stream([worker], settings, _prompts(40), reward=_constant)
+    trained, dropped, lengths = [], 0.0, []
+    try:
+        for version in range(2):
+            result = stream.next_batch(step=version + 1, policy_version=version)
+            trained += _keys(result)
+            ray.get(worker.set_version.remote(version + 1))
+        ray.get(worker.open_gate.remote(0))  # key 0 finishes now, two versions after its first token
+        _wait_until(lambda: any(group.index == 0 for group in stream._ready))
+        for version in range(2, 4):
+            result = stream.next_batch(step=version + 1, policy_version=version)
+            trained += _keys(result)
+            dropped += result.metrics["rollout/stale_dropped"]
+            lengths.append(result.metrics["rollout/generated_response_len_mean"])
+            ray.get(worker.set_version.remote(version + 1))
+    finally:
+        stream.close()
+        ray.kill(worker)
+    assert 0 not in trained and dropped == 1
+    assert lengths[0] > 1  # generated (key 0's 8 tokens among them), never trained
+
+
 def test_a_huge_staleness_bound_draws_prompts_as_the_queue_empties_and_logs_few_fractions(ray_session):
     """`max_staleness: 1000000` opens a quota of a million steps: drawn at once, it held 8 million prompts in
     memory (and in every checkpoint) and logged a million `staleness/frac_k` scalars a step."""
@@ -301,11 +370,12 @@ def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_ses
     settings = dict(groups_per_step=2, max_staleness=2, partial_rollout=partial_rollout)
     stream = _stream([worker], settings, _prompts(100), reward=lambda completion, **row: (1.0, {}),
                      max_new_tokens=6)
-    samples, resubmitted = [], 0.0
+    samples, resubmitted, mixed = [], 0.0, []
     try:
         for version in range(6):
             result = stream.next_batch(step=version + 1, policy_version=version)
             samples += result.samples
+            mixed.append(result.metrics["rollout/mixed_version_frac"])
             resubmitted += result.metrics["rollout/resubmitted_samples"]
             # the update lands while a sample is part-way, if any is generating (from step 2 on, the ones
             # drawn at the step's start are); `resubmit` must then abort it: it samples nothing more till then
@@ -318,6 +388,7 @@ def test_partial_rollout_keeps_tokens_and_versions_across_weight_updates(ray_ses
                            for s in samples)
     assert all(s.policy_versions == sorted(s.policy_versions) for s in samples)
     assert any(len(set(s.policy_versions)) > 1 for s in samples)  # a switch mid-response
+    assert sum(m * 2 * 2 for m in mixed) == sum(len(set(s.policy_versions)) > 1 for s in samples)  # counted
     assert (resubmitted > 0) == (partial_rollout == "resubmit")
     ray.kill(worker)
 
@@ -328,7 +399,8 @@ def test_a_group_sampled_by_version_0_goes_stale_like_any_other():
     from rollflow.data.sample import Sample
     from rollflow.rollout.core import Group, GroupState
 
-    stream = _stream([], dict(groups_per_step=2, max_staleness=1, max_refill_groups=0), _prompts(4))
+    stream = _stream([], dict(groups_per_step=2, max_staleness=1, max_refill_groups=0, staleness_control="drop"),
+                     _prompts(4))
     old = Group(_prompts(1)[0], index=0, group_id=0, state=GroupState.READY,
                       samples=[Sample([0], [1, 2], policy_versions=[0, 1])])
     fresh = Group(_prompts(2)[1], index=1, group_id=1, state=GroupState.READY,
