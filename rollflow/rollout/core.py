@@ -638,6 +638,8 @@ class RolloutCore:
         for entry in state["pending"]:
             group = self._new_group(self.program.load_key(entry["prompt"]), entry["index"], entry["long"])
             (self._long_queue if group.long else self._queue).append(group)
+        if self.settings.max_staleness:  # they were drawn ahead of the steps to come: part of the K steps' quota
+            self._quota -= len(self._queue)
         return len(state["pending"])
 
     async def _cancel_all(self) -> None:
