@@ -1,12 +1,14 @@
-"""Asynchronous training end to end: examples/async.yaml (disaggregated, max_staleness 1, partial rollout
-`continue`) in the shared Ray session, its driver killed with `kill -9` while the next step's prompts are in
-flight, then resumed: it trains every prompt exactly once, in the steps the uninterrupted run trains them."""
+"""Asynchronous training end to end, in the shared Ray session: examples/async.yaml (disaggregated,
+max_staleness 1, partial rollout `continue`) and an asynchronous FrozenLake run, each driver killed with
+`kill -9` while the next step's prompts (env seeds) are in flight, then resumed: it trains every prompt (plays
+every seed) exactly once, in the steps the uninterrupted run does."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.config import load_config
+from rollflow.pipelines.agentic import run_agentic
 from rollflow.pipelines.rlvr import run_rlvr
 
 pytestmark = pytest.mark.slow
@@ -37,12 +40,13 @@ def _trained_prompts(run_dir: Path) -> dict[int, collections.Counter]:
     return dict(steps)
 
 
-def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each_prompt_once(ray_session, tmp_path,
-                                                                                           capsys):
-    run_rlvr(load_config(ASYNC, [*FAST, "name=whole", f"output.dir={tmp_path}"]), manage_ray=False)
-    # the command line, killed once its step-2 checkpoint is written (the producer runs a step ahead of it)
-    killed = [*FAST, "name=killed", f"output.dir={tmp_path}"]
-    driver = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "train", ASYNC, *killed], cwd=REPO,
+def _kill_9_then_resume(config_path: str, overrides: list[str], run, tmp_path: Path, capsys):
+    """The uninterrupted run (`whole`, in this process), then the command line's run (`killed`) killed with
+    `kill -9` once its step-2 checkpoint is written (the producer runs a step ahead of it) and resumed in this
+    process. Returns the resumed run's config."""
+    run(load_config(config_path, [*overrides, "name=whole", f"output.dir={tmp_path}"]), manage_ray=False)
+    killed = [*overrides, "name=killed", f"output.dir={tmp_path}"]
+    driver = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "train", config_path, *killed], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     checkpoint = tmp_path / "killed" / "checkpoints" / "step_2" / "driver_state.json"
     deadline = time.monotonic() + 240
@@ -52,9 +56,15 @@ def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait(timeout=30)
     capsys.readouterr()
-    config = load_config(ASYNC, [*killed, "resume=true"])
-    run_rlvr(config, manage_ray=False)
-    assert "generated again" in capsys.readouterr().out  # what was in flight at the checkpoint is played again
+    config = load_config(config_path, [*killed, "resume=true"])
+    run(config, manage_ray=False)
+    assert re.search("(generated|played) again", capsys.readouterr().out)  # what was in flight at the checkpoint
+    return config
+
+
+def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each_prompt_once(ray_session, tmp_path,
+                                                                                           capsys):
+    config = _kill_9_then_resume(ASYNC, FAST, run_rlvr, tmp_path, capsys)
 
     # staleness bounded at admission: each step trains the prompts drawn for it, whatever finished first, so the
     # killed and resumed run trains the uninterrupted run's prompts, step by step (none skipped, none twice)
@@ -69,3 +79,24 @@ def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each
     assert any(r["staleness/max"] == 1 for r in steps)  # it did generate ahead of the trainer
     assert all(r["rollout/groups/consumed"] == 4 for r in steps)
     assert all("actor/train_infer_ratio_mean" in r for r in steps)  # TIS on by default when asynchronous
+
+
+AGENTIC = ["pipeline=agentic", "env.id=frozenlake", "env.kwargs={size: 3, max_turns: 4}", "env.max_turns=4",
+           "rollout.samples=trajectory", "rollout.groups_per_step=2", "rollout.group_size=2",
+           "rollout.max_new_tokens=6", "rollout.max_staleness=1", "roles.actor_train.device_mapping=[0]",
+           "roles.actor_infer.device_mapping=[1]", "eval.every_steps=0", "eval.episodes=0",
+           "output.trackers=[console,jsonl]", "output.save_every_steps=1", "train.steps=5",
+           "output.samples_logged_per_step=16"]
+
+
+def test_an_asynchronous_agentic_run_killed_with_episodes_in_flight_plays_each_seed_once(ray_session, tmp_path,
+                                                                                       capsys):
+    path = tmp_path / "agentic.yaml"
+    path.write_text("pipeline: agentic\n")
+    config = _kill_9_then_resume(str(path), AGENTIC, run_agentic, tmp_path, capsys)
+    # an episode's first prompt is its env seed's map: each step trains the seeds drawn for it
+    whole, resumed = _trained_prompts(tmp_path / "whole"), _trained_prompts(config.run_dir)
+    assert sorted(whole) == sorted(resumed) == [1, 2, 3, 4, 5]
+    assert resumed == whole
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness/max"] <= 1 and r["rollout/stale_dropped"] == 0 for r in rows[1:])
