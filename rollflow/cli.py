@@ -204,6 +204,13 @@ def _remote_cause(err: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) and type(err).__name__.startswith("RayTaskError") else err
 
 
+def _diagnose(args) -> int:
+    from rollflow.pipelines.diagnose import diagnose
+
+    print(diagnose(args.run_dir).report())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rollflow import __version__
 
@@ -253,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print what each simulated run prints (its workers, placement table, warnings) "
                               "instead of writing it to OUT/plan.log")
     planner.set_defaults(handler=_plan)
+
+    diagnose = commands.add_parser(
+        "diagnose", help="where a run's step time went and which lever would shorten it (reads RUN_DIR only)")
+    diagnose.add_argument("run_dir", type=Path, help="a run directory (output.dir/name)")
+    diagnose.set_defaults(handler=_diagnose)
 
     evaluate = commands.add_parser("eval", help="greedy accuracy of a model on an eval dataset")
     evaluate.add_argument("--model", required=True, help="bundled name, HF directory, checkpoint or hub id")

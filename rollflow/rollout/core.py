@@ -165,6 +165,7 @@ class Group:
     state: GroupState = GroupState.QUEUED
     samples: list[Sample] = field(default_factory=list)
     cut: bool = False  # over-provisioning ended it: its requests were aborted
+    ready_at: float = 0.0  # perf_counter when it became ready
 
     def oldest_version(self) -> int | None:
         """The policy version of the group's oldest sampled token (None: no tokens)."""
@@ -475,7 +476,7 @@ class RolloutCore:
             return
         self._generated_lengths += [len(s.response_ids) for s in group.samples]
         if state == GroupState.READY:
-            group.state = GroupState.READY
+            group.state, group.ready_at = GroupState.READY, time.perf_counter()
             self._ready.append(group)
         else:  # filtered, failed: replaced within the refill bound
             self._end(group, state)
@@ -557,6 +558,8 @@ class RolloutCore:
 
     def _result(self, batch: list[Group], policy_version: int, long_round: bool, waited: float) -> RolloutResult:
         samples = [s for g in batch for s in g.samples]
+        asked = time.perf_counter() - waited  # when the driver asked for this batch
+        ready = sorted(max(g.ready_at, asked) for g in batch)
         staleness = [policy_version - v for v in map(oldest_version, usable(samples)) if v is not None]
         now = time.perf_counter()
         since_last, self._last_handout = now - self._last_handout, now
@@ -569,6 +572,8 @@ class RolloutCore:
             "rollout/refill_bound_hit": float(self._bound_hit),
             "rollout/wasted_tokens": float(self._wasted_tokens),
             "rollout/long_round": float(long_round),
+            # the wait for the batch's last tenth of groups, once the rest were ready (the long tail)
+            "rollout/tail_wait_s": tail_wait(ready),
             "rollout/long_queue": float(len(self._long_queue)),
             "rollout/resubmitted_samples": float(self.resubmitted),
             "rollout/tokens_per_second": self._generated_tokens / max(since_last, 1e-9),
@@ -702,6 +707,13 @@ async def _cancel_all(tasks) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def tail_wait(ready: list[float]) -> float:
+    """From the sorted times a batch's groups were ready: how long the last tenth of them (at least one) took
+    once the rest were ready; 0 for a batch of one group."""
+    last = max(1, round(0.1 * len(ready)))
+    return ready[-1] - ready[-1 - last] if len(ready) > last else 0.0
 
 
 def oldest_version(sample: Sample) -> int | None:

@@ -1,0 +1,142 @@
+"""`rollflow diagnose RUN_DIR`: where a training run's step time went, and which lever would shorten it.
+
+It reads the run directory only (`config.yaml`, `metrics.jsonl`): nothing starts. Per step (the median over the
+steps after the first two, which start workers and fill the pipeline) it splits the step into the trainer's
+wait for the rollout (`time/rollout`), of which the wait for the batch's last tenth of groups
+(`rollout/tail_wait_s`) and for rewards with nothing left generating (`time/reward_wait`), training
+(`time/train`), the weight sync (`sync/seconds`) and the rest (reference / old logprobs, advantages,
+checkpoints, logging). Then it names the levers that fit what it found:
+
+* the engines share the trainer's devices: asynchronous training cannot overlap them; give the engines devices
+  of their own first;
+* synchronous, disaggregated, rollout and training both sizeable: asynchronous training (`max_staleness: 1`)
+  overlaps them, predicted step = max(rollout, train) + the rest;
+* the trainer is the bottleneck (rollout hidden or short): asynchronous training has nothing more to hide;
+* a long tail: tail batching (`overprovision`) when synchronous, partial rollout (which asynchronous runs get)
+  otherwise;
+* a rollout wait that is not the tail: more engines;
+* reward waits: more reward concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollflow.config import load_config
+from rollflow.errors import ConfigError
+
+WARMUP_STEPS = 2  # worker start, the first sync, an asynchronous run filling its pipeline
+SHARE = 0.25  # a part of the step worth acting on
+
+
+@dataclass
+class Diagnosis:
+    """Median seconds of a step and of each of its parts, and the levers, most useful first."""
+
+    steps: int
+    step_s: float
+    parts: dict[str, float]
+    max_staleness: int
+    shared_devices: str  # why the engines share the trainer's devices ("" when they do not)
+    levers: list[str] = field(default_factory=list)
+
+    def report(self) -> str:
+        lines = [f"{self.steps} steps measured (after the first {WARMUP_STEPS}); median step {self.step_s:.3f} s:"]
+        for name, seconds in self.parts.items():
+            lines.append(f"  {name:<42} {seconds:8.3f} s  {seconds / self.step_s:6.1%}" if self.step_s else
+                         f"  {name:<42} {seconds:8.3f} s")
+        lines.append("what would help:" if self.levers else "nothing stands out")
+        lines += [f"  - {lever}" for lever in self.levers]
+        return "\n".join(lines)
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [row[key] for row in rows if key in row]
+    return statistics.median(values) if values else 0.0
+
+
+def _shared_devices(config) -> str:
+    """Why the engines run on the trainer's devices, or "" when they have devices of their own."""
+    infer, train = config.roles.actor_infer, config.roles.actor_train
+    if infer.hybrid:
+        return "the engine runs inside actor_train's worker (roles.actor_infer.hybrid)"
+    if infer.device_mapping is None or train.device_mapping is None:
+        return "actor_train and actor_infer have no device_mapping: they share the machine"
+    shared = sorted(set(infer.device_mapping) & set(train.device_mapping))
+    if shared:
+        return f"actor_train and actor_infer share devices {shared}"
+    return ""
+
+
+def diagnose(run_dir: Path) -> Diagnosis:
+    """Read `run_dir` and say where its steps' time went and what would shorten them.
+
+    Raises:
+        ConfigError: not a run directory of a pipeline with a rollout, or too few steps to measure.
+    """
+    run_dir = Path(run_dir)
+    metrics, config_file = run_dir / "metrics.jsonl", run_dir / "config.yaml"
+    if not metrics.is_file() or not config_file.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no metrics.jsonl and config.yaml in it)")
+    config = load_config(config_file)
+    if getattr(config, "rollout", None) is None:
+        raise ConfigError(f"{run_dir} is a {config.pipeline} run: it has no rollout to diagnose")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [row for row in rows if row.get("step", 0) > WARMUP_STEPS and "time/step" in row]
+    if not steps:
+        raise ConfigError(f"{run_dir}: no step after the first {WARMUP_STEPS} to measure; run more steps")
+    step_s = _median(steps, "time/step")
+    rollout, tail = _median(steps, "time/rollout"), _median(steps, "rollout/tail_wait_s")
+    reward_wait, train, sync = _median(steps, "time/reward_wait"), _median(steps, "time/train"), _median(
+        steps, "sync/seconds")
+    rest = max(0.0, step_s - rollout - train - sync)
+    parts = {"waiting for the rollout": rollout, "  of which the last tenth of groups": min(tail, rollout),
+             "  of which rewards, nothing generating": min(reward_wait, rollout), "training": train,
+             "weight sync": sync, "the rest (logprobs, advantages, logs)": rest}
+    k = config.rollout.max_staleness
+    diagnosis = Diagnosis(len(steps), step_s, parts, k, _shared_devices(config))
+    diagnosis.levers = _levers(diagnosis, rollout, tail, reward_wait, train, sync, rest)
+    return diagnosis
+
+
+def _levers(d: Diagnosis, rollout: float, tail: float, reward_wait: float, train: float, sync: float,
+            rest: float) -> list[str]:
+    levers, step = [], d.step_s or 1.0
+    rollout_bound, train_bound = rollout / step >= SHARE, train / step >= SHARE
+    if d.max_staleness == 0 and d.shared_devices and rollout_bound and train_bound:
+        levers.append(f"asynchronous training cannot help as placed: {d.shared_devices}, so generating and "
+                      "training cannot overlap; give actor_infer devices of its own (roles.*.device_mapping), "
+                      "then set rollout.max_staleness: 1")
+    elif d.max_staleness == 0 and rollout_bound and train_bound:
+        predicted = max(rollout, train) + sync + rest
+        levers.append(f"asynchronous training (rollout.max_staleness: 1) overlaps the rollout ({rollout:.3f} s) "
+                      f"with training ({train:.3f} s): predicted step {predicted:.3f} s, {step / predicted:.2f}x "
+                      "(before staleness's cost in learning per step)")
+    if train_bound and not rollout_bound:
+        why = ("the rollout is already hidden behind training" if d.max_staleness
+               else "the rollout is short beside training")
+        levers.append(f"the trainer is the bottleneck ({train / step:.0%} of the step): {why}, so asynchronous "
+                      "training has nothing more to hide; more or faster trainer devices (or fewer optimizer "
+                      "steps per step) would")
+    if rollout_bound and tail / step >= SHARE / 2:
+        if d.max_staleness == 0:
+            levers.append(f"a long tail: the last tenth of groups holds the step {tail:.3f} s; tail batching "
+                          "(rollout.overprovision: 1.25) trains on the first groups that finish, or asynchronous "
+                          "training with partial rollout keeps the engines busy meanwhile")
+        else:
+            levers.append(f"a long tail: the last tenth of groups holds the step {tail:.3f} s; partial rollout "
+                          "(rollout.partial_rollout: continue) lets long samples finish on newer weights, and a "
+                          "larger rollout.max_staleness lets more steps generate meanwhile")
+    if reward_wait / step >= SHARE / 2:
+        levers.append(f"rewards: the step waits {reward_wait:.3f} s for scores with nothing left generating; more "
+                      "reward concurrency (reward.num_threads, or more roles.reward workers for model rewards)")
+    elif rollout_bound and tail / step < SHARE / 2 and not (d.max_staleness == 0 and train_bound):
+        levers.append(f"the rollout itself is the bottleneck ({rollout / step:.0%} of the step, not its tail): "
+                      "more engines (roles.actor_infer.num_workers / devices)")
+    if sync / step >= SHARE:
+        levers.append(f"the weight sync takes {sync / step:.0%} of the step: the broadcast transport "
+                      "(cluster.weight_sync_transport: broadcast) or larger buckets")
+    return levers

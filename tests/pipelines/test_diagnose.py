@@ -1,0 +1,70 @@
+"""`rollflow diagnose RUN_DIR` reads a run directory and names the lever that fits where the step time went:
+placement first when the engines share the trainer's devices, asynchronous training when rollout and training
+could overlap, nothing more from async when the trainer is the bottleneck, tail batching or partial rollout for
+a long tail, reward concurrency for reward waits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollflow.cli import main
+from rollflow.config import dump_config, load_config
+from rollflow.errors import ConfigError
+from rollflow.pipelines.diagnose import diagnose
+
+DISAGGREGATED = ["roles.actor_infer.hybrid=false", "roles.actor_train.device_mapping=[0]",
+                 "roles.actor_infer.device_mapping=[1]"]
+
+
+def _run_dir(tmp_path, overrides: list[str], step: dict[str, float], steps: int = 6):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(load_config("examples/quickstart.yaml", overrides)))
+    rows = [{"step": 0, "eval/accuracy": 0.1}] + [{"step": s, **step} for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return run_dir
+
+
+def _levers(tmp_path, overrides, **step) -> list[str]:
+    return diagnose(_run_dir(tmp_path, overrides, {f"time/{k}" if k in ("step", "rollout", "train", "reward_wait")
+                                                   else k: v for k, v in step.items()})).levers
+
+
+def test_engines_on_the_trainers_devices_come_first(tmp_path):
+    levers = _levers(tmp_path, [], step=1.0, rollout=0.45, train=0.45)  # the quickstart's hybrid engine
+    assert len(levers) == 1 and levers[0].startswith("asynchronous training cannot help as placed: the engine "
+                                                     "runs inside actor_train's worker")
+
+
+def test_a_synchronous_disaggregated_run_is_told_what_async_would_give(tmp_path):
+    levers = _levers(tmp_path, DISAGGREGATED, step=1.0, rollout=0.5, train=0.4, **{"sync/seconds": 0.05})
+    assert levers[0].startswith("asynchronous training (rollout.max_staleness: 1) overlaps the rollout (0.500 s) "
+                                "with training (0.400 s): predicted step 0.600 s, 1.67x")
+
+
+def test_a_trainer_bound_asynchronous_run_is_told_async_cannot_help_more(tmp_path):
+    levers = _levers(tmp_path, [*DISAGGREGATED, "rollout.max_staleness=1"], step=0.86, rollout=0.001, train=0.76)
+    assert len(levers) == 1 and "the trainer is the bottleneck (88% of the step): the rollout is already hidden" \
+        in levers[0]
+
+
+def test_a_long_tail_and_reward_waits_are_named(tmp_path):
+    levers = _levers(tmp_path, ["rollout.deterministic=false"], step=80.0, rollout=67.0, train=3.0,
+                     **{"rollout/tail_wait_s": 40.0, "time/reward_wait": 15.0})
+    assert any(lever.startswith("a long tail: the last tenth of groups holds the step 40.000 s; tail batching")
+               for lever in levers)
+    assert any(lever.startswith("rewards: the step waits 15.000 s") for lever in levers)
+
+
+def test_the_command_prints_the_split_and_refuses_what_is_not_a_run(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path, DISAGGREGATED, {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4})
+    assert main(["diagnose", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4 steps measured (after the first 2); median step 1.000 s:")
+    assert "waiting for the rollout" in out and "50.0%" in out and "what would help:" in out
+    assert main(["diagnose", str(tmp_path / "nothing")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no step after the first 2"):
+        diagnose(_run_dir(tmp_path / "short", [], {"time/step": 1.0}, steps=2))
