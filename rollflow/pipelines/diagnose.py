@@ -3,7 +3,7 @@
 It reads the run directory only (`config.yaml`, `metrics.jsonl`): nothing starts. Per step (the median over the
 steps after the first two, which start workers and fill the pipeline) it splits the step into the trainer's
 wait for the rollout (`time/rollout`), of which the wait for the batch's last tenth of groups
-(`rollout/tail_wait_s`) and for rewards with nothing left generating (`time/reward_wait`), training
+(`rollout/tail_wait_seconds`) and for rewards with nothing left generating (`time/reward_wait`), training
 (`time/train`), the weight sync (`sync/seconds`) and the rest (reference / old logprobs, advantages,
 checkpoints, logging). Then it names the levers that fit what it found:
 
@@ -89,7 +89,7 @@ def diagnose(run_dir: Path) -> Diagnosis:
     if not steps:
         raise ConfigError(f"{run_dir}: no step after the first {WARMUP_STEPS} to measure; run more steps")
     step_s = _median(steps, "time/step")
-    rollout, tail = _median(steps, "time/rollout"), _median(steps, "rollout/tail_wait_s")
+    rollout, tail = _median(steps, "time/rollout"), _median(steps, "rollout/tail_wait_seconds")
     reward_wait, train, sync = _median(steps, "time/reward_wait"), _median(steps, "time/train"), _median(
         steps, "sync/seconds")
     rest = max(0.0, step_s - rollout - train - sync)

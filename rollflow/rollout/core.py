@@ -573,7 +573,7 @@ class RolloutCore:
             "rollout/wasted_tokens": float(self._wasted_tokens),
             "rollout/long_round": float(long_round),
             # the wait for the batch's last tenth of groups, once the rest were ready (the long tail)
-            "rollout/tail_wait_s": tail_wait(ready),
+            "rollout/tail_wait_seconds": tail_wait(ready),
             "rollout/long_queue": float(len(self._long_queue)),
             "rollout/resubmitted_samples": float(self.resubmitted),
             "rollout/tokens_per_second": self._generated_tokens / max(since_last, 1e-9),

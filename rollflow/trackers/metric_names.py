@@ -178,7 +178,7 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
                    "1 when this step was a long round of the prompts that over-provisioning aborted (tail "
                    "batching)."),
             Metric("rollout/long_queue", COUNT, "Aborted prompts waiting for a long round."),
-            Metric("rollout/tail_wait_s", SECONDS,
+            Metric("rollout/tail_wait_seconds", SECONDS,
                    "How long the step waited for the last tenth of its batch's groups once the other nine tenths "
                    "were ready (counted from when the driver asked for the batch): the long tail's cost, which "
                    "`rollflow diagnose` reads."),

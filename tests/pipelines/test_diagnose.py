@@ -52,7 +52,7 @@ def test_a_trainer_bound_asynchronous_run_is_told_async_cannot_help_more(tmp_pat
 
 def test_a_long_tail_and_reward_waits_are_named(tmp_path):
     levers = _levers(tmp_path, ["rollout.deterministic=false"], step=80.0, rollout=67.0, train=3.0,
-                     **{"rollout/tail_wait_s": 40.0, "time/reward_wait": 15.0})
+                     **{"rollout/tail_wait_seconds": 40.0, "time/reward_wait": 15.0})
     assert any(lever.startswith("a long tail: the last tenth of groups holds the step 40.000 s; tail batching")
                for lever in levers)
     assert any(lever.startswith("rewards: the step waits 15.000 s") for lever in levers)

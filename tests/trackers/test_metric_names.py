@@ -32,6 +32,7 @@ from rollflow.algorithms.agentic import AgenticAdvantageInputs
 from rollflow.trackers.metric_names import (
     METRICS,
     REGENERATE,
+    SECONDS,
     documented_metric,
     main,
     render_metrics_reference,
@@ -175,6 +176,13 @@ def test_every_metric_of_the_registered_algorithms_is_documented():
              for key in AGENTIC_ADVANTAGES.get(name)(agentic)[1]}
     assert {"actor/clip_frac", "actor/mis_kept_frac", "advantage/zero_std_group_frac"} <= keys
     assert undocumented(keys) == [], f"add them to rollflow/trackers/metric_names.py, then run `{REGENERATE}`"
+
+
+def test_every_wall_time_says_so_in_its_name():
+    """A reading in seconds differs run to run: tests that compare two runs (same seed, kill -9 and resume) leave
+    out keys naming `time/` or `seconds`, so a timing named otherwise (`rollout/tail_wait_s` once) breaks them."""
+    unnamed = [m.name for m in METRICS if m.unit == SECONDS and "time/" not in m.name and "seconds" not in m.name]
+    assert unnamed == []
 
 
 @pytest.mark.slow
