@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +15,7 @@ import pytest
 from rollflow.config import load_config
 from rollflow.pipelines.agentic import run_agentic
 from rollflow.pipelines.rlvr import run_rlvr
+from tests.e2e.test_interrupted_runs import kill_9_after_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -42,19 +38,11 @@ def _trained_prompts(run_dir: Path) -> dict[int, collections.Counter]:
 
 def _kill_9_then_resume(config_path: str, overrides: list[str], run, tmp_path: Path, capsys):
     """The uninterrupted run (`whole`, in this process), then the command line's run (`killed`) killed with
-    `kill -9` once its step-2 checkpoint is written (the producer runs a step ahead of it) and resumed in this
-    process. Returns the resumed run's config."""
+    `kill -9` once its step-2 checkpoint is written (the producer runs a step ahead of it: prompts are in
+    flight) and resumed in this process. Returns the resumed run's config."""
     run(load_config(config_path, [*overrides, "name=whole", f"output.dir={tmp_path}"]), manage_ray=False)
     killed = [*overrides, "name=killed", f"output.dir={tmp_path}"]
-    driver = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "train", config_path, *killed], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    checkpoint = tmp_path / "killed" / "checkpoints" / "step_2" / "driver_state.json"
-    deadline = time.monotonic() + 240
-    while not checkpoint.exists() and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert checkpoint.exists(), driver.stderr.read() if driver.poll() is not None else "no checkpoint in time"
-    os.kill(driver.pid, signal.SIGKILL)
-    driver.wait(timeout=30)
+    kill_9_after_checkpoint(config_path, killed, tmp_path / "killed")
     capsys.readouterr()
     config = load_config(config_path, [*killed, "resume=true"])
     run(config, manage_ray=False)

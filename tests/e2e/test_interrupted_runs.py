@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -96,3 +97,21 @@ def test_ctrl_c_saves_the_last_finished_step_and_resume_continues(tmp_path, cli)
                   "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert _steps(run_dir / "metrics.jsonl") == list(range(last + 2))  # 0 (initial eval) .. last + 1, once each
+
+
+def kill_9_after_checkpoint(config_path: str, overrides: list[str], run_dir: Path, step: int = 2) -> None:
+    """Run `rollflow train config_path overrides` until its step-`step` checkpoint is written in `run_dir`, then
+    `kill -9` the driver; its prestarted Ray must go with it (the reaper)."""
+    driver = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "train", config_path, *overrides],
+                              cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    checkpoint = run_dir / "checkpoints" / f"step_{step}" / "driver_state.json"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.exists(), driver.stderr.read() if driver.poll() is not None else "no checkpoint in time"
+    sessions = _ray_sessions(driver.pid)  # the command line's prestarted Ray, named after its head's pid
+    assert sessions, "no Ray process under the driver"
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait(timeout=30)
+    _assert_no_ray_left(driver.pid, sessions=sessions)  # the reaper took the driver's Ray session down with it

@@ -5,11 +5,6 @@ RL (step samples of guess-the-number: the rollout core's deterministic rounds co
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +12,7 @@ import pytest
 from rollflow.config import load_config
 from rollflow.pipelines.agentic import run_agentic
 from rollflow.pipelines.rlvr import run_rlvr
-from tests.e2e.test_interrupted_runs import _assert_no_ray_left, _ray_sessions
+from tests.e2e.test_interrupted_runs import kill_9_after_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -100,21 +95,7 @@ def test_kill_9_of_an_agentic_driver_then_resume_gives_the_uninterrupted_run(age
 def _kill_9_then_resume(config_path: str, overrides: list[str], run, uninterrupted: Path, tmp_path: Path) -> None:
     """Run the CLI until its step-2 checkpoint, `kill -9` it, resume in this process: the metrics of the
     uninterrupted run, row for row (the resumed driver's first-step parity check aside)."""
-    argv = [sys.executable, "-m", "rollflow.cli", "train", config_path, *overrides, "name=killed",
-            f"output.dir={tmp_path}"]
-    driver = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    checkpoint = tmp_path / "killed" / "checkpoints" / "step_2" / "driver_state.json"
-    deadline = time.monotonic() + 240
-    while not checkpoint.exists() and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert checkpoint.exists(), driver.stderr.read() if driver.poll() is not None else "no checkpoint in time"
-    sessions = _ray_sessions(driver.pid)  # the command line's prestarted Ray, named after its head's pid
-    assert sessions, "no Ray process under the driver"
-    os.kill(driver.pid, signal.SIGKILL)
-    driver.wait(timeout=30)
-    _assert_no_ray_left(driver.pid, sessions=sessions)  # the reaper took the driver's Ray session down with it
-
+    kill_9_after_checkpoint(config_path, [*overrides, "name=killed", f"output.dir={tmp_path}"], tmp_path / "killed")
     run(load_config(config_path, [*overrides, "name=killed", f"output.dir={tmp_path}", "resume=true"]),
         manage_ray=False)
     expected, got = _metrics(uninterrupted), _metrics(tmp_path / "killed")
