@@ -21,7 +21,7 @@ from rollflow.inputs.prompt_sets import check_no_vision_critic, run_context_leng
 from rollflow.models import check_model_files, load_model_config, load_tokenizer
 from rollflow.pipelines.loop import Progress, run_pipeline
 from rollflow.pipelines.rl_step import RLStep, StepSamples
-from rollflow.rollout.core import RolloutCore, RolloutResult, core_settings
+from rollflow.rollout.core import RolloutCore, RolloutResult
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource, turns_that_fit
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import (
@@ -32,6 +32,7 @@ from rollflow.rollout.episodes import (
     no_episodes_error,
 )
 from rollflow.rollout.filters import usable
+from rollflow.rollout.settings import core_settings
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
 from rollflow.trackers.trackers import AGENTIC_COLUMNS

@@ -19,10 +19,11 @@ from rollflow.data.prompts import EncodedPrompt
 from rollflow.data.sample import Sample
 from rollflow.engines.base import SamplingParams
 from rollflow.errors import ConfigError
-from rollflow.rollout.core import RolloutCore, Source, core_settings
+from rollflow.rollout.core import RolloutCore, Source
 from rollflow.rollout.filters import check_some_succeeded
 from rollflow.rollout.metrics import is_correct, rollout_metrics
 from rollflow.rollout.prompt_groups import PromptGroups
+from rollflow.rollout.settings import core_settings
 from rollflow.spans import span
 from rollflow.trackers.samples import write_samples
 from rollflow.workers.reward import build_reward_fn

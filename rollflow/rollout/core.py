@@ -59,6 +59,7 @@ from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.errors import StalledError
 from rollflow.rollout.filters import usable
 from rollflow.rollout.router import EngineRouter, Round
+from rollflow.rollout.settings import CoreSettings
 
 
 class GroupState(str, enum.Enum):
@@ -97,61 +98,6 @@ class Source(Protocol):
     def state(self) -> dict: ...
 
     def load_state(self, state: dict) -> None: ...
-
-
-@dataclass(frozen=True)
-class CoreSettings:
-    """The policy's knobs (from `rollout.*`)."""
-
-    groups_per_step: int
-    max_staleness: int = 0
-    max_refill_groups: int = 0
-    overprovision: float = 1.0
-    long_round_every: int = 0
-    partial_rollout: str = "continue"  # or "resubmit"
-    staleness_control: str = "admission"  # or "drop"
-    deterministic: bool = False  # seeds per group; rounds when synchronous and not over-provisioned
-    lockstep: bool = False  # every step a round, whatever the rest (the batch-of-envs baseline)
-    seed: int = 0
-    max_in_flight: int = 64
-    watchdog_s: float = 900.0
-
-    @property
-    def launched_per_step(self) -> int:
-        return math.ceil(self.overprovision * self.groups_per_step - 1e-9)
-
-    @property
-    def tail_batching(self) -> bool:
-        """Over-provisioned synchronous steps: cut the slowest groups and run them in long rounds."""
-        return self.overprovision > 1 and self.max_staleness == 0
-
-    @property
-    def in_draw_order(self) -> bool:
-        """Asynchronous steps take their groups in the order they were drawn (staleness bounded at admission)."""
-        return self.max_staleness > 0 and self.staleness_control == "admission"
-
-    @property
-    def rounds(self) -> bool:
-        return self.lockstep or (self.deterministic and self.max_staleness == 0 and self.overprovision == 1)
-
-
-def core_settings(config, eval_only: bool = False) -> CoreSettings:
-    """The core's settings for a run, the one place they are read from its config: `rollout.*` (the same keys
-    in every pipeline that samples), `seed`, `roles.actor_infer.max_in_flight_requests` and
-    `cluster.watchdog_s`. An eval-only core (`eval_only`, or a run without a `rollout` section: supervised runs'
-    greedy eval) plays one group a step, deterministic unless `rollout.deterministic` says otherwise."""
-    common = dict(seed=config.seed, max_in_flight=config.roles.actor_infer.max_in_flight_requests,
-                  watchdog_s=config.cluster.watchdog_s)
-    rollout = getattr(config, "rollout", None)
-    if rollout is None or eval_only:
-        return CoreSettings(groups_per_step=1, deterministic=rollout is None or rollout.deterministic, **common)
-    return CoreSettings(
-        rollout.groups_per_step,
-        # no sample can be more versions old than the run has steps: a larger bound only draws keys past the end
-        max_staleness=min(rollout.max_staleness, config.train.steps),
-        max_refill_groups=rollout.refill_bound, overprovision=rollout.overprovision,
-        long_round_every=rollout.long_round_every, partial_rollout=rollout.partial_rollout,
-        staleness_control=rollout.staleness_control, deterministic=rollout.deterministic, lockstep=getattr(rollout, "lockstep", False), **common)
 
 
 @dataclass(eq=False)
@@ -486,39 +432,31 @@ class RolloutCore:
             self._refill()
 
     def _take_batch(self, long_round: bool) -> list[Group] | None:
-        """The batch if it can be handed out now: P ready groups, or fewer once nothing more can come."""
-        wanted = self.settings.groups_per_step
-        if self.settings.in_draw_order:
-            return self._take_in_draw_order(wanted)
-        if len(self._ready) < wanted:
+        """The batch if it can be handed out now: P ready groups, or fewer once nothing more can come.
+
+        In draw order (staleness bounded at admission) only the ready groups drawn before every group still queued
+        or playing may go: a slow group holds the batch back while the groups after it keep generating. Otherwise
+        the stalest first in asynchronous mode (they would be dropped next), else in stream order."""
+        settings, wanted = self.settings, self.settings.groups_per_step
+        if settings.in_draw_order:
+            self._ready.sort(key=lambda g: g.index)
+            pending = min((g.index for g in (*self._queue, *self._live)), default=math.inf)
+            takeable = sum(g.index < pending for g in self._ready)  # a prefix of the sorted list
+        else:
+            self._ready.sort(key=lambda g: ((g.oldest_version() or 0) if settings.max_staleness else 0, g.index))
+            takeable = len(self._ready)
+        if takeable < wanted:
             if self._quota or self._queue or self._live:
                 return None
             self._bound_hit = True  # nothing more can come: the step trains on fewer groups
-        # stalest first in asynchronous mode (they would be dropped next), otherwise in stream order
-        self._ready.sort(key=lambda g: ((g.oldest_version() or 0) if self.settings.max_staleness else 0, g.index))
-        batch, self._ready = self._ready[:wanted], self._ready[wanted:]
+        count = min(takeable, wanted)
+        batch, self._ready = self._ready[:count], self._ready[count:]
         for group in batch:
             self._end(group, GroupState.CONSUMED)
-        if self.settings.tail_batching and not long_round:  # the slowest groups of this step give way
+        if settings.tail_batching and not long_round:  # the slowest groups of this step give way
             for group in self._live:
                 group.cut = True
                 self.router.abort_owner(group)
-        return batch
-
-    def _take_in_draw_order(self, wanted: int) -> list[Group] | None:
-        """Staleness bounded at admission: the P ready groups drawn first, none drawn after a group that is still
-        queued or playing (it holds the batch back; the groups after it keep generating). Fewer once nothing
-        more can come."""
-        pending = min((g.index for g in (*self._queue, *self._live)), default=math.inf)
-        self._ready.sort(key=lambda g: g.index)
-        batch = [g for g in self._ready if g.index < pending][:wanted]
-        if len(batch) < wanted:
-            if self._quota or self._queue or self._live:
-                return None
-            self._bound_hit = True  # nothing more can come: the step trains on fewer groups
-        self._ready = self._ready[len(batch):]
-        for group in batch:
-            self._end(group, GroupState.CONSUMED)
         return batch
 
     async def _settle(self) -> None:
@@ -558,11 +496,11 @@ class RolloutCore:
 
     def _result(self, batch: list[Group], policy_version: int, long_round: bool, waited: float) -> RolloutResult:
         samples = [s for g in batch for s in g.samples]
-        asked = time.perf_counter() - waited  # when the driver asked for this batch
-        ready = sorted(max(g.ready_at, asked) for g in batch)
-        staleness = [policy_version - v for v in map(oldest_version, usable(samples)) if v is not None]
+        trained = usable(samples)
+        staleness = [policy_version - v for v in map(oldest_version, trained) if v is not None]
         now = time.perf_counter()
         since_last, self._last_handout = now - self._last_handout, now
+        ready = sorted(max(g.ready_at, now - waited) for g in batch)  # now - waited: when the driver asked
         metrics = {f"rollout/groups/{state.value}": float(self._ended[state]) for state in ENDED}
         held = collections.Counter(g.state for g in [*self._queue, *self._live, *self._ready])
         metrics.update({f"rollout/groups/{state.value}": float(held[state]) for state in HELD})
@@ -580,12 +518,10 @@ class RolloutCore:
             "time/reward_wait": self._reward_wait,
             **self.program.batch_metrics(samples, self._ended),
         })
-        trained = [len(s.response_ids) for s in usable(samples)]
         if trained:
-            metrics["rollout/trained_response_len_mean"] = statistics.fmean(trained)
+            metrics["rollout/trained_response_len_mean"] = statistics.fmean(len(s.response_ids) for s in trained)
             # sampled by more than one policy version: new weights reached it mid-response (partial rollout)
-            metrics["rollout/mixed_version_frac"] = statistics.fmean(
-                len(set(s.policy_versions)) > 1 for s in usable(samples))
+            metrics["rollout/mixed_version_frac"] = statistics.fmean(len(set(s.policy_versions)) > 1 for s in trained)
         if self._generated_lengths:
             metrics["rollout/generated_response_len_mean"] = statistics.fmean(self._generated_lengths)
         metrics["rollout/stale_dropped"] = float(self._ended[GroupState.STALE])

@@ -10,9 +10,10 @@ import json
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import SamplingParams
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource, turns_that_fit
 from rollflow.rollout.episodes import ContextLimitWarning, TurnBudget, episode_metrics
+from rollflow.rollout.settings import CoreSettings
 from tests.rollout.test_env_groups import (
     CORRIDOR,
     TOKENIZER,

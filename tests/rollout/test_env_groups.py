@@ -21,10 +21,11 @@ from rollflow.data.seeds import derive_seed
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
 from rollflow.errors import WorkerDiedError
 from rollflow.models import resolve_model_path
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episode_advantages import EpisodeAdvantages
 from rollflow.rollout.episodes import episode_metrics, no_episodes_error
+from rollflow.rollout.settings import CoreSettings
 from rollflow.workers.env import EnvWorker
 from rollflow.workers.specs import env_spec
 

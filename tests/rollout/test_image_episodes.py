@@ -16,8 +16,9 @@ from rollflow.engines.base import SamplingParams
 from rollflow.envs.frozenlake import FrozenLake
 from rollflow.errors import DataError
 from rollflow.models import load_tokenizer
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
+from rollflow.rollout.settings import CoreSettings
 from tests.rollout.test_env_groups import CORRIDOR, Remote, ScriptedEngine, env_worker
 
 TOKENS_PER_BOARD = 16  # a 4x4 board: 32x32 pixels, one image token per cell

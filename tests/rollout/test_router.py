@@ -12,8 +12,9 @@ import ray.cloudpickle
 
 from rollflow.data.prompts import EncodedPrompt
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.prompt_groups import PromptGroups
+from rollflow.rollout.settings import CoreSettings
 
 # Actors of this module's classes get them by value: their processes then skip this module's imports (torch
 # among them, ~3 s of CPU on 2 cores), which importing the class from here would cost each of them.

@@ -9,9 +9,10 @@ import json
 
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.engines.base import Completion, CompletionOutput, SamplingParams
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.env_groups import EnvGroups, EpisodeSettings, SeedSource
 from rollflow.rollout.episodes import episode_metrics
+from rollflow.rollout.settings import CoreSettings
 from tests.rollout.test_env_groups import EOS, TOKENIZER, Remote, env_worker, played
 
 CALL = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": "347*29"}}) + "\n</tool_call>"

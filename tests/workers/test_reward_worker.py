@@ -34,8 +34,9 @@ from rollflow.rewards import (
     resolve_reward,
 )
 from rollflow.rewards.judge import LLMJudge
-from rollflow.rollout.core import CoreSettings, RolloutCore
+from rollflow.rollout.core import RolloutCore
 from rollflow.rollout.prompt_groups import PromptGroups
+from rollflow.rollout.settings import CoreSettings
 from rollflow.workers.base import PlacedWorker
 from rollflow.workers.reward import RemoteReward, RewardWorker, build_reward_fn
 from rollflow.workers.roles import plan_roles
