@@ -20,13 +20,13 @@ checkpoints, logging). Then it names the levers that fit what it found:
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollflow.config import load_config
 from rollflow.errors import ConfigError
+from rollflow.trackers.durable_files import read_records
 
 WARMUP_STEPS = 2  # worker start, the first sync, an asynchronous run filling its pipeline
 SHARE = 0.25  # a part of the step worth acting on
@@ -84,7 +84,7 @@ def diagnose(run_dir: Path) -> Diagnosis:
     config = load_config(config_file)
     if getattr(config, "rollout", None) is None:
         raise ConfigError(f"{run_dir} is a {config.pipeline} run: it has no rollout to diagnose")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_records(metrics)  # a run still writing (or killed mid-line) has a torn last line: left out
     steps = [row for row in rows if row.get("step", 0) > WARMUP_STEPS and "time/step" in row]
     if not steps:
         raise ConfigError(f"{run_dir}: no step after the first {WARMUP_STEPS} to measure; run more steps")

@@ -64,6 +64,9 @@ def test_the_command_prints_the_split_and_refuses_what_is_not_a_run(tmp_path, ca
     out = capsys.readouterr().out
     assert out.startswith("4 steps measured (after the first 2); median step 1.000 s:")
     assert "waiting for the rollout" in out and "50.0%" in out and "what would help:" in out
+    with (run_dir / "metrics.jsonl").open("a") as file:  # a run still writing: its last line torn
+        file.write('{"step": 7, "time/st')
+    assert main(["diagnose", str(run_dir)]) == 0 and capsys.readouterr().out == out
     assert main(["diagnose", str(tmp_path / "nothing")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no step after the first 2"):
