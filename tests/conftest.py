@@ -97,7 +97,7 @@ def ray_session():
     from rollflow.cluster.ray_session import start_ray, stop_ray
 
     start_ray(num_cpus=2)
-    with keep_workers(max_idle=10) as pool:  # the session's runs have more shapes than a sweep's (~0.5 GiB each)
+    with keep_workers(max_idle=12) as pool:  # the session's runs have more shapes than a sweep's (~0.5 GiB each)
         yield
         report = os.environ.get("ROLLFLOW_POOL_REPORT")  # a file: how well the session's workers were reused
         if report:
@@ -224,6 +224,16 @@ def pytest_terminal_summary(terminalreporter, config):
 SHARED_GROUPS = {  # module -> group
     "tests/engines/test_engine_contract.py": "vllm-engine",  # vllm_cpu_engine (tests/engines/conftest.py): vLLM
     "tests/engines/test_vllm_engine.py": "vllm-engine",  # starts in ~25 s
+    # Runs whose workers have the same shapes (rollflow.cluster.pool): in one process they adopt each other's
+    # kept workers; split over the two, each process starts its own (~7 CPU-s a worker). Which shapes each
+    # module started: ROLLFLOW_POOL_REPORT (the `ray_session` fixture).
+    "tests/e2e/test_distributed_runs.py": "trainer-roles",  # critic, reference, actor_train, fsdp2 ranks
+    "tests/e2e/test_algorithms_e2e.py": "trainer-roles",
+    "tests/e2e/test_supervised_runs.py": "trainer-roles",
+    "tests/e2e/test_agentic_runs.py": "env-roles",  # env workers
+    "tests/e2e/test_env_service_drill.py": "env-roles",
+    "tests/e2e/test_model_rewards.py": "reward-roles",  # reward workers
+    "tests/workers/test_reward_worker.py": "reward-roles",
 }
 
 

@@ -186,6 +186,24 @@ class WorkerGroup:
         for handle in self.handles:
             ray.kill(handle)
 
+    def abandon(self) -> None:
+        """Stop a start that was cancelled (a bad input found while the workers started): kill the workers
+        still in their constructors, at once. An adopted worker (`rollflow.cluster.pool`) rebuilds in ~1 s in a
+        process that has its imports already: it is let finish and parked again, not killed (a new process for
+        the next run would cost ~7 CPU-s of imports)."""
+        pool = worker_pool()
+        for index, handle in enumerate(self.handles):
+            rebuild = self.rebuilt.get(index)
+            if pool is not None and self.pool_keys is not None and rebuild is not None:
+                try:
+                    if ray.get(rebuild, timeout=CLOSE_TIMEOUT_S) is None:  # rebuilt without an error
+                        ray.get(handle.park_worker.remote(), timeout=CLOSE_TIMEOUT_S)
+                        pool.park(self.pool_keys[index], handle)
+                        continue
+                except ray.exceptions.RayError:
+                    pass  # dead or stuck: killed below
+            ray.kill(handle)
+
 
 def spawn_group(role: str, worker_cls: type, placements: list[WorkerPlacement],
                 bundles: PlacementGroup | None = None, *args: Any,
@@ -351,13 +369,12 @@ class WorkerGroups(Mapping[str, WorkerGroup]):
     def shutdown(self, close: bool = True) -> None:
         """Close and kill every worker, then release the placement group (the Ray session may outlive the
         run). `close=False` kills without asking them to close first (a close waits for a constructor still
-        running: a cancelled start does not)."""
+        running: a cancelled start does not; `WorkerGroup.abandon`)."""
         for group in self.own():
             if close:
                 group.close()
             else:
-                for handle in group.handles:
-                    ray.kill(handle)
+                group.abandon()
         if self.bundles is not None:
             remove_placement_group(self.bundles)
             self.bundles = None

@@ -122,3 +122,26 @@ def test_the_workers_of_a_placed_run_are_kept_on_a_one_node_cluster(ray_session,
                                       "roles.actor_infer.hybrid=false"]), manage_ray=False)
     assert pool.adopted - adopted == 2
     assert _metrics(tmp_path / "unplaced")[-1]["step"] == 1
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_a_bad_input_while_its_workers_start_keeps_the_adopted_ones(ray_session, tmp_path):
+    """A dataset without a prompt column is found while the workers start (`RoleLaunch.cancelled_on_error`): the
+    run stops before any step, and the worker it had adopted is parked again, not killed with the start."""
+    from rollflow.errors import RollflowError
+
+    pool = worker_pool()
+    run_rlvr(load_config(QUICKSTART, [*RUN, "train.steps=1", "name=good", f"output.dir={tmp_path}"]),
+             manage_ray=False)
+    hybrid = [key for key, _ in pool.idle.values() if key[0].endswith(":HybridWorker")]
+    assert hybrid, pool.idle
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    started, adopted, parked = pool.started, pool.adopted, pool.parked
+    with pytest.raises(RollflowError, match="no 'prompt' column"):
+        run_rlvr(load_config(QUICKSTART, [*RUN, f"data.train={{path: {data}}}", "name=bad",
+                                          f"output.dir={tmp_path}"]), manage_ray=False)
+    assert (pool.started, pool.adopted, pool.parked) == (started, adopted + 1, parked + 1)
+    run_rlvr(load_config(QUICKSTART, [*RUN, "train.steps=1", "name=again", f"output.dir={tmp_path}"]),
+             manage_ray=False)
+    assert (pool.started, pool.adopted) == (started, adopted + 2)  # the next run adopted it once more
