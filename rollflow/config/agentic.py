@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from rollflow.algorithms.registries import (
     AGENTIC_ADVANTAGES,
 )
-from rollflow.config.rlvr import LossFields, TrainInferCorrectionConfig
+from rollflow.config.rlvr import LossFields, TrainInferCorrectionConfig, check_exact_old_logprobs
 from rollflow.config.rollout_fields import GroupFlowFields, SamplingFields
 from rollflow.config.sections import EvalFields, RunConfigBase, Strict
 
@@ -179,6 +179,11 @@ class AgenticConfig(RunConfigBase):
                              "roles.actor_train.device_mapping to different devices (e.g. [1] and [0])")
         if "train_infer_correction" not in self.algorithm.model_fields_set:
             self.algorithm.train_infer_correction = TrainInferCorrectionConfig()
+        return self
+
+    @model_validator(mode="after")
+    def _exact_old_logprobs_fit(self) -> AgenticConfig:
+        check_exact_old_logprobs(self)
         return self
 
     @model_validator(mode="after")

@@ -130,6 +130,15 @@ class TrainInferCorrectionConfig(Strict):
         return self
 
 
+def check_exact_old_logprobs(config) -> None:
+    """`algorithm.old_logprobs: exact` swaps the trainer's weights for older versions' in one process: the
+    torch backend's (an fsdp2 rank holds a shard, a simulated trainer none)."""
+    backend = config.roles.actor_train.backend
+    if config.algorithm.old_logprobs == "exact" and backend != "torch":
+        raise ValueError(f"algorithm.old_logprobs=exact needs roles.actor_train.backend=torch (got {backend!r}); "
+                         "or old_logprobs: current")
+
+
 class LossFields(Strict):
     """The actor loss settings every RL pipeline shares (the advantage estimator, its registry and the rest of
     the algorithm are each pipeline's: `advantage` and `ADVANTAGES`)."""
@@ -167,6 +176,15 @@ class LossFields(Strict):
         default=None,
         description="Train-inference mismatch correction in the actor loss (TIS weights, MIS masks), with "
                     "the ratio `exp(old_logprobs − rollout_logprobs)`; `null`: off.")
+    old_logprobs: Literal["current", "exact"] = Field(
+        default="current",
+        description="The PPO ratio's old logprobs. `current`: the trainer's, under its weights at the start of "
+                    "the step; with `rollout.max_staleness` > 0 the tokens of older versions then carry their "
+                    "staleness into the train-inference ratio, and the clip sees none of it. `exact`: under the "
+                    "weights of the version that sampled each token (actor_train keeps the last max_staleness + 1 "
+                    "versions' trainable weights in host memory, one more forward per older version in a batch; "
+                    "torch backend): the train-inference correction sees only the engine-trainer discrepancy and "
+                    "the clip bounds the staleness ([async.md](async.md)).")
 
     def _named(self) -> list[tuple[Registry[Callable[..., Any]], str, dict[str, Any] | None]]:
         """(registry, the name the config gives, the options it passes or None) for each registry name."""
@@ -401,6 +419,11 @@ class RLVRConfig(RunConfigBase):
                     f"roles.{role}.device_mapping to different devices (e.g. [1] and [0]), or max_staleness: 0")
         if "train_infer_correction" not in self.algorithm.model_fields_set:
             self.algorithm.train_infer_correction = TrainInferCorrectionConfig()
+        return self
+
+    @model_validator(mode="after")
+    def _exact_old_logprobs_fit(self) -> RLVRConfig:
+        check_exact_old_logprobs(self)
         return self
 
     @model_validator(mode="after")

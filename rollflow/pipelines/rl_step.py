@@ -169,7 +169,12 @@ class RLStep(StepDefaults):
             with span("reference"):
                 batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
                                                                   config.roles.reference.backend)
-        if self.advantages.needs_policy_logprobs:
+        old_metrics = {}
+        if config.algorithm.old_logprobs == "exact":  # each token's under its sampling version's weights
+            colocation.enter("old_logprobs")
+            with span("old_logprobs"):
+                batch.extras["old_logprobs"], old_metrics = actor.call("compute_old_logprobs", batch)
+        elif self.advantages.needs_policy_logprobs:
             colocation.enter("old_logprobs")
             with span("old_logprobs"):
                 batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
@@ -178,7 +183,7 @@ class RLStep(StepDefaults):
             with span("values"):
                 batch.extras["values"] = groups["critic"].call("compute_values", batch)
         with span("advantages"):
-            metrics = self.advantages(batch)
+            metrics = {**self.advantages(batch), **old_metrics}
         if "critic" in groups:
             colocation.enter("critic_train")
             with span("critic_train"):

@@ -337,7 +337,18 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
                    "`algorithm.train_infer_correction`: mean token ratio pi_old (trainer) / pi_rollout "
                    "(engine)."),
             Metric("actor/train_infer_log_ratio_abs_mean", NATS,
-                   "`algorithm.train_infer_correction`: mean |log pi_old - log pi_rollout| per token."),
+                   "`algorithm.train_infer_correction`: mean |log pi_old - log pi_rollout| per token (with "
+                   "`algorithm.old_logprobs: exact` the train-inference discrepancy alone, same version)."),
+            Metric("actor/stale_token_frac", FRACTION,
+                   "`algorithm.old_logprobs: exact`: fraction of trained tokens sampled by an older version than "
+                   "the trainer's at the start of the step."),
+            Metric("actor/staleness_ratio_mean", "ratio",
+                   "`algorithm.old_logprobs: exact`: mean token ratio pi_theta / pi_old (the sampling version's "
+                   "weights), the staleness term the PPO clip bounds; over the step's mini-batches (with one, "
+                   "the default, the staleness at the start of the step)."),
+            Metric("actor/staleness_log_ratio_abs_mean", NATS,
+                   "`algorithm.old_logprobs: exact`: mean |log pi_theta - log pi_old| per trained token, as "
+                   "`actor/staleness_ratio_mean`."),
             Metric("actor/is_weight_mean", "weight", "Truncated importance-sampling weights: their mean."),
             Metric("actor/is_weight_clip_frac", FRACTION,
                    "Fraction of truncated importance-sampling weights cut at `upper_bound`."),

@@ -34,6 +34,10 @@ class ActorLoss:
     and/or masked (MIS) per `algorithms.train_infer_correction(old_logprobs, rollout_logprobs)`; the KL and
     entropy terms are not. Dropped tokens still count in the loss normalizer: masking acts as an IS weight
     of 0, it does not renormalize over the kept tokens (and the normalizer stays global).
+
+    With `algorithm.old_logprobs: exact` the old logprobs are each token's sampling version's
+    (`rollflow.workers.old_logprobs`): the correction's ratio is then the engine-trainer discrepancy alone, the
+    PPO ratio the staleness, logged as `actor/staleness_ratio_mean` and `actor/staleness_log_ratio_abs_mean`.
     """
 
     def __init__(self, algorithm: AlgorithmConfig, temperature: float):
@@ -46,6 +50,7 @@ class ActorLoss:
         self.temperature = temperature
         correction = algorithm.train_infer_correction
         self.correction = correction.model_dump() if correction is not None else None
+        self.exact_old = algorithm.old_logprobs == "exact"  # the old logprobs are the sampling versions'
 
     def __call__(self, logits: torch.Tensor, batch: Batch, normalizer: LossNormalizer):
         mask = batch.response_mask  # [b, T]
@@ -70,6 +75,10 @@ class ActorLoss:
             per_token = per_token * weights  # [b, T], stop-gradient weights
         loss = self.aggregation(per_token, policy_mask, normalizer)
         metrics = {f"actor/{k}": v for k, v in {**loss_metrics, **metrics}.items()}
+        if self.exact_old and "old_logprobs" in batch.extras:  # the staleness term, sampling version -> now
+            log_ratio = (logprobs.detach() - old) * mask  # [b, T]
+            metrics["actor/staleness_ratio_mean"] = _masked_mean(log_ratio.exp(), mask)
+            metrics["actor/staleness_log_ratio_abs_mean"] = _masked_mean(log_ratio.abs(), mask)
         if self.kl is not None:
             kl = self.kl(logprobs, batch.extras["ref_logprobs"])  # [b, T]
             kl_loss = self.aggregation(kl, mask, normalizer)

@@ -14,6 +14,7 @@ from rollflow.data.seeds import derive_seed
 from rollflow.errors import NonFiniteError
 from rollflow.workers.base import PlacedWorker, build_backend, nonfinite_in_role
 from rollflow.workers.objectives import train_mini_batches
+from rollflow.workers.old_logprobs import VersionSnapshots, exact_old_logprobs
 from rollflow.workers.specs import TrainerSpec, torch_device
 
 
@@ -39,17 +40,31 @@ class ActorTrainWorker(PlacedWorker):
         self.version = 0
         self.broadcast: BroadcastGroup | None = None
         self.outgoing: list[dict[str, torch.Tensor]] = []
+        # `algorithm.old_logprobs: exact`: the weights of the versions whose tokens may still be trained
+        self.snapshots = VersionSnapshots(spec.kept_versions) if spec.old_logprobs == "exact" else None
         self.preload(spec.backend, spec.settings.model_path, spec.settings.trust_remote_code)
 
     def init_backend(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Build the training backend; every rank calls this at the same time (a collective for fsdp2)."""
         self.join_ranks(master_addr, master_port, world_size)
         self.backend = build_backend(self.spec, self.placement)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Keep the current version's weights (`algorithm.old_logprobs: exact`)."""
+        if self.snapshots is not None:
+            self.snapshots.take(self.version, self.backend.model)
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] logprobs of the response tokens under the current weights."""
         self.require_resident("compute_logprobs")
         return self.backend.forward_logprobs(batch, self.temperature)
+
+    def compute_old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B, T] logprobs of each response token under the weights of the version that sampled it, and the
+        staleness term's metrics (`rollflow.workers.old_logprobs.exact_old_logprobs`)."""
+        self.require_resident("compute_old_logprobs")
+        return exact_old_logprobs(self.backend, self.snapshots, batch, self.version, self.temperature)
 
     def train(self, batch: Batch) -> dict[str, float]:
         """One RL step: `optimizer_steps_per_step` optimizer steps over shuffled mini-batches.
@@ -78,6 +93,7 @@ class ActorTrainWorker(PlacedWorker):
         except NonFiniteError as err:
             raise nonfinite_in_role(err, "actor_train", "train.lr") from None
         self.version += 1
+        self._snapshot()
         metrics["time/train"] = time.perf_counter() - started
         return metrics
 
@@ -116,6 +132,9 @@ class ActorTrainWorker(PlacedWorker):
     def load(self, path: str, version: int) -> None:
         self.backend.load(path)
         self.version = version
+        if self.snapshots is not None:  # a resumed run regenerates what was in flight: only this version's tokens
+            self.snapshots.clear()
+            self._snapshot()
 
     def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] reference logprobs: the base model with the LoRA adapters disabled (LoRA runs need no

@@ -92,6 +92,9 @@ class HybridWorker(PlacedWorker):
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         return self.trainer.compute_logprobs(batch)
 
+    def compute_old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.trainer.compute_old_logprobs(batch)
+
     def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor:
         return self.trainer.compute_reference_logprobs(batch)
 

@@ -36,6 +36,9 @@ class TrainerSpec:
         mini_batches: optimizer steps per `train` call (`train.optimizer_steps_per_step`).
         loss: `loss_fn(output, micro_batch, normalizer) -> (loss, metrics)` the role trains (the actor's
             objective, the critic's value loss); None for a frozen reference.
+        old_logprobs: `algorithm.old_logprobs` ("current" or "exact": actor_train keeps the weights of the
+            last `kept_versions` versions, `rollflow.workers.old_logprobs`).
+        kept_versions: `rollout.max_staleness + 1`.
     """
 
     role: str
@@ -48,6 +51,8 @@ class TrainerSpec:
     temperature: float = 1.0
     mini_batches: int = 1
     loss: Any = None
+    old_logprobs: str = "current"
+    kept_versions: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +161,10 @@ def trainer_spec(config, role: str, objective: str = "policy_gradient") -> Train
 
         lora = section.lora.model_dump() if section.lora is not None else None
         settings = trainer_settings(config, lr=train.lr, lora=lora, total_steps=config.actor_optimizer_steps)
-        return TrainerSpec(settings=settings, loss=OBJECTIVES.get(objective)(config), **common)
+        algorithm, rollout = getattr(config, "algorithm", None), getattr(config, "rollout", None)
+        old = dict(old_logprobs=getattr(algorithm, "old_logprobs", "current"),
+                   kept_versions=(getattr(rollout, "max_staleness", 0) or 0) + 1)
+        return TrainerSpec(settings=settings, loss=OBJECTIVES.get(objective)(config), **old, **common)
     if role == "critic":
         from rollflow.workers.objectives import CriticLoss
 

@@ -52,7 +52,9 @@ def _kill_9_then_resume(config_path: str, overrides: list[str], run, tmp_path: P
 
 def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each_prompt_once(ray_session, tmp_path,
                                                                                            capsys):
-    config = _kill_9_then_resume(ASYNC, FAST, run_rlvr, tmp_path, capsys)
+    # exact old logprobs: the trainer keeps the last 2 versions' weights, a resumed one only the loaded version's
+    # (what was in flight is generated again by it)
+    config = _kill_9_then_resume(ASYNC, [*FAST, "algorithm.old_logprobs=exact"], run_rlvr, tmp_path, capsys)
 
     # staleness bounded at admission: each step trains the prompts drawn for it, whatever finished first, so the
     # killed and resumed run trains the uninterrupted run's prompts, step by step (none skipped, none twice)
@@ -67,6 +69,10 @@ def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each
     assert any(r["staleness/max"] == 1 for r in steps)  # it did generate ahead of the trainer
     assert all(r["rollout/groups/consumed"] == 4 for r in steps)
     assert all("actor/train_infer_ratio_mean" in r for r in steps)  # TIS on by default when asynchronous
+    # tokens of the version before the trainer's were trained against their own version's logprobs: the TIS
+    # ratio is the engine-trainer discrepancy alone (the hf engine runs the trainer's model: float noise)
+    assert any(r["actor/stale_token_frac"] > 0 for r in steps)
+    assert all(r["actor/train_infer_log_ratio_abs_mean"] < 1e-4 for r in steps)
 
 
 AGENTIC = ["pipeline=agentic", "env.id=frozenlake", "env.kwargs={size: 3, max_turns: 4}", "env.max_turns=4",
