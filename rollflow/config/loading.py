@@ -193,6 +193,23 @@ def _alternatives(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _default_section(default: Any, section: type[BaseModel] | None) -> Any:
+    """What a section missing from the tree starts as, for an override to change one key of: the keys of its
+    default (`default`, from the pipeline's defaults) that differ from the section model's own field defaults
+    (`data.train`'s `task: add2`), not those that equal them. Pydantic fills those in all the same, and they
+    stay unset: a validator that asks whether the config set a key (`model_fields_set`: `train.steps` beside
+    `train.epochs`, the asynchronous TIS default) sees only the override's key."""
+    if isinstance(default, list):
+        return copy.deepcopy(default)
+    if not isinstance(default, dict):
+        return {}
+    try:
+        own = section.model_construct().model_dump(mode="json") if section is not None else {}
+    except Exception:  # noqa: BLE001 -- a section model that cannot be built empty: keep every default
+        own = {}
+    return {key: copy.deepcopy(value) for key, value in default.items() if key not in own or own[key] != value}
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, model: type[BaseModel],
                 defaults: dict[str, Any]) -> None:
     """Set `tree[a][b]... = value` (`a.b[0].c` indexes a list); a section missing from `tree` starts as its
@@ -215,7 +232,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, model: type[BaseM
             default = default.get(key) if isinstance(default, dict) else None
             child = node.get(key)
             if child is None:
-                child = node[key] = copy.deepcopy(default) if isinstance(default, (dict, list)) else {}
+                child = node[key] = _default_section(default, _section_model(model, keys[:depth + 1]))
         if not isinstance(child, (dict, list)):
             what = repr(key) if isinstance(key, str) else _path_text(keys[:depth + 1])
             expected = "a list" if isinstance(keys[depth + 1], int) else "a section"

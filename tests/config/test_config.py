@@ -95,6 +95,23 @@ def test_override_inside_a_default_section_keeps_the_other_defaults(tmp_path):
     assert load_config(path).data.train.task is None
 
 
+def test_an_override_of_a_section_the_file_lacks_sets_only_its_key(tmp_path):
+    """The rest of the section takes its defaults without counting as set: validators that ask what the config
+    set see the override alone."""
+    # `train.epochs` beside `train.steps` is refused only when both are set
+    assert load_config(None, ["pipeline=sft", "data.train={task: add2}", "train.epochs=2"]).train.epochs == 2
+    # asynchronous training turns TIS on unless the config sets train_infer_correction: an algorithm key of
+    # another name does not set it (it did, off, for agentic runs and files without an algorithm section)
+    path = tmp_path / "agentic.yaml"
+    path.write_text("pipeline: agentic\n")
+    asynchronous = ["rollout.max_staleness=1", "roles.actor_train.device_mapping=[0]",
+                    "roles.actor_infer.device_mapping=[1]", "algorithm.entropy_coef=0.01"]
+    assert load_config(path, asynchronous).algorithm.train_infer_correction is not None
+    assert load_config(None, asynchronous).algorithm.train_infer_correction is not None
+    assert load_config(path, [*asynchronous, "algorithm.train_infer_correction=null"]).algorithm.train_infer_correction \
+        is None
+
+
 def test_weight_checksum_off_survives_yaml(tmp_path):
     """YAML reads a bare `off` as false; the checksum mode still means "off"."""
     path = tmp_path / "c.yaml"

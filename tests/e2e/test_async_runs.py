@@ -80,7 +80,7 @@ AGENTIC = ["pipeline=agentic", "env.id=frozenlake", "env.kwargs={size: 3, max_tu
            "rollout.max_new_tokens=6", "rollout.max_staleness=1", "roles.actor_train.device_mapping=[0]",
            "roles.actor_infer.device_mapping=[1]", "eval.every_steps=0", "eval.episodes=0",
            "output.trackers=[console,jsonl]", "output.save_every_steps=1", "train.steps=5",
-           "output.samples_logged_per_step=16"]
+           "output.samples_logged_per_step=16", "algorithm.old_logprobs=exact"]
 
 
 def test_an_asynchronous_agentic_run_killed_with_episodes_in_flight_plays_each_seed_once(ray_session, tmp_path,
@@ -94,3 +94,6 @@ def test_an_asynchronous_agentic_run_killed_with_episodes_in_flight_plays_each_s
     assert resumed == whole
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness/max"] <= 1 and r["rollout/stale_dropped"] == 0 for r in rows[1:])
+    # multi-turn episodes with exact old logprobs: env tokens between turns carry no version and are not trained
+    assert any(r["actor/stale_token_frac"] > 0 for r in rows[1:])
+    assert all(r["actor/train_infer_log_ratio_abs_mean"] < 1e-4 for r in rows[1:])
