@@ -204,15 +204,25 @@ def metrics_rows(scratch: Path) -> list[dict]:
     return rows
 
 
+def live_sessions(server: Server) -> int:
+    """Sessions open on `server` now (its /health `live`), 0 if it does not answer."""
+    try:
+        return int(httpx.get(server.url.rsplit("/", 1)[0] + "/health", timeout=5).json()["live"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+
+
 def kill_first_server(process: subprocess.Popen, scratch: Path, servers: list[Server]) -> str:
-    """SIGKILL the first server once the run's first step row is in metrics.jsonl (FIRST_STEP_S at most)."""
+    """SIGKILL the first server once the run's first step row is in metrics.jsonl and the server holds an
+    episode (FIRST_STEP_S at most): killed between two steps, with no session open, it would cost nothing, and
+    the case would not show what a lost server costs (the run simply avoids it)."""
     deadline = time.monotonic() + FIRST_STEP_S
     while time.monotonic() < deadline and process.poll() is None:
-        if any(row.get("step", 0) >= 1 for row in metrics_rows(scratch)):
+        if any(row.get("step", 0) >= 1 for row in metrics_rows(scratch)) and live_sessions(servers[0]) > 0:
             servers[0].process.kill()
             servers[0].process.wait(10)
-            return f"killed {servers[0].url} after step 1"
-        time.sleep(0.2)
+            return f"killed {servers[0].url} after step 1, with an episode open on it"
+        time.sleep(0.05)
     return "the run logged no step: nothing killed"
 
 
