@@ -26,7 +26,8 @@ with the quickstart's own verdict (`math_answer`: 10 for a right sum, 0 otherwis
 `sync` is the quickstart's hybrid engine; `async` (`max_staleness: 1`) puts the trainer on both cores (devices
 0 and 1) and the engine worker on a third device that shares core 0 (`cluster.num_devices: 3`): the engine's
 short decode and the judge's waiting overlap the trainer's step. Both runs train `--steps` steps and are
-evaluated on the same 200 held-out sums; the line has `io_bound_async_speedup` and both accuracies.
+evaluated on the same 200 held-out sums; the line has `io_bound_async_speedup` and both accuracies, and the
+same for `async_exact` (`algorithm.old_logprobs: exact`).
 
 Usage: python bench/async_speedup.py [--steps 40] [--max-staleness 2] [--long-tokens 32] [--only sync,async]
        python bench/async_speedup.py --workload io_bound [--steps 120] [--judge-delay-s 0.3]
@@ -127,6 +128,9 @@ IO_BOUND_VARIANTS = {
               "roles": {"actor_train": {"num_cpus": 2, "device_mapping": [0, 1]},
                         "actor_infer": {"hybrid": False, "num_cpus": 1, "device_mapping": [2]}}},
 }
+# `async_exact`: `async` with exact old logprobs (each token's under its sampling version's weights: TIS on the
+# discrepancy alone, the PPO clip on the staleness; docs/async.md)
+EXACT = {"algorithm": {"old_logprobs": "exact"}}
 
 
 def io_bound(args) -> dict:
@@ -139,7 +143,8 @@ def io_bound(args) -> dict:
     results = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for name, change in IO_BOUND_VARIANTS.items():
+            variants = {**IO_BOUND_VARIANTS, "async_exact": merged(IO_BOUND_VARIANTS["async"], EXACT)}
+            for name, change in variants.items():
                 results[name] = run(name, merged(io_bound_config(args.steps, url), change), Path(tmp))
     finally:
         server.shutdown()
@@ -147,7 +152,9 @@ def io_bound(args) -> dict:
             "judge_sigma": args.judge_sigma,
             **{name: {k: round(v, 4) for k, v in r.items()} for name, r in results.items()},
             "io_bound_async_speedup": round(results["async"]["samples_per_s"] / results["sync"]["samples_per_s"], 3),
-            "accuracy_gap": round(results["async"]["accuracy"] - results["sync"]["accuracy"], 4)}
+            "accuracy_gap": round(results["async"]["accuracy"] - results["sync"]["accuracy"], 4),
+            "exact_speedup": round(results["async_exact"]["samples_per_s"] / results["sync"]["samples_per_s"], 3),
+            "exact_accuracy_gap": round(results["async_exact"]["accuracy"] - results["sync"]["accuracy"], 4)}
 
 
 def merged(base: dict, change: dict) -> dict:

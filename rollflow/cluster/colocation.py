@@ -15,22 +15,23 @@ from dataclasses import dataclass, field
 from rollflow.cluster.placement import PlacementPlan
 
 
-def transitions(plan: PlacementPlan, resident: dict[str, bool], uses: tuple[str, ...]
-                ) -> tuple[list[str], list[str]]:
+def transitions(plan: PlacementPlan, resident: dict[str, bool], uses: tuple[str, ...],
+                pinned: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
     """The roles to offload and to onload (in that order) before a phase that uses the roles `uses` runs.
 
     Args:
         plan: the placement plan (which roles share devices).
         resident: role -> whether it is resident now, for every started role.
         uses: the roles the phase runs (those not started are ignored).
+        pinned: roles never offloaded: they work through every phase (asynchronous training's rollout roles).
 
     Returns:
         (offload, onload): resident roles that are idle in the phase and share a device with a role it uses;
         roles the phase uses that are offloaded.
     """
     active = [role for role in uses if role in resident]
-    offload = [role for role, on in resident.items()
-               if on and role not in active and any(plan.colocated(role, used) for used in active)]
+    offload = [role for role, on in resident.items() if on and role not in active and role not in pinned
+               and any(plan.colocated(role, used) for used in active)]
     onload = [role for role in active if not resident[role]]
     return offload, onload
 
@@ -45,11 +46,16 @@ class ColocationManager:
             {"seconds", "rss_bytes", "device_bytes"}).
         phases: phase name -> the roles it runs; the pipeline's table (e.g. "rollout": ("actor_infer",
             "reward")). A phase that moves weights between roles lists both ends.
+        pinned: roles never offloaded (`transitions`). With asynchronous training the rollout runs through
+            every phase, so its roles (engines, reward workers, envs) stay resident: a reward worker that
+            shares the trainer's devices, offloaded for the trainer's phase, would refuse the groups still
+            being scored.
     """
 
     plan: PlacementPlan
     groups: dict
     phases: dict[str, tuple[str, ...]]
+    pinned: frozenset[str] = frozenset()
     resident: dict[str, bool] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     in_flight: list = field(default_factory=list)  # (action, role, result refs) of moves not yet waited for
@@ -67,7 +73,7 @@ class ColocationManager:
         their results are collected at the next `enter` or `pop_metrics`, and a failure raises there.
         """
         self._collect()
-        offload, onload = transitions(self.plan, self.resident, self.phases[phase])
+        offload, onload = transitions(self.plan, self.resident, self.phases[phase], self.pinned)
         started = time.perf_counter()
         for action, roles in (("offload", offload), ("onload", onload)):
             for role in roles:

@@ -236,7 +236,10 @@ def run_with_workers(step: PipelineStep, groups: WorkerGroups, stop: StopSignals
     for line in step.start_lines():
         tracker.print(line)
     write_placement(config.run_dir / "placement.json", groups)
-    driver = Driver(config, groups, ColocationManager(groups.plan, dict(groups), step.phases), tracker, stop)
+    # asynchronous: the rollout runs through every phase, its roles are never offloaded
+    rollout_roles = step.phases.get("rollout", ()) if getattr(getattr(config, "rollout", None), "max_staleness", 0) else ()
+    colocation = ColocationManager(groups.plan, dict(groups), step.phases, pinned=frozenset(rollout_roles))
+    driver = Driver(config, groups, colocation, tracker, stop)
     try:
         step.start(groups, driver.colocation)
         progress = begin(step, driver, prepared.resume_from)

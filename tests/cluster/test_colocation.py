@@ -41,6 +41,19 @@ def test_disaggregated_roles_never_move():
     assert transitions(plan, resident, PHASES["actor_train"]) == (["reference"], ["actor_train"])
 
 
+def test_pinned_roles_stay_resident_through_every_phase():
+    """Asynchronous training: the rollout's roles work while the trainer trains, so they are never offloaded,
+    whatever shares their devices (a reward worker on the trainer's devices scored nothing once offloaded)."""
+    plan = _plan()
+    resident = dict.fromkeys(ROLES, True)
+    pinned = frozenset(PHASES["rollout"])
+    for phase in ("reference", "old_logprobs", "actor_train", "weight_sync", "checkpoint"):
+        offload, _ = transitions(plan, resident, PHASES[phase], pinned)
+        assert "actor_infer" not in offload, phase
+    assert transitions(plan, resident, PHASES["actor_train"], pinned) == (["reference"], [])
+    assert transitions(plan, resident, PHASES["actor_train"]) == (["actor_infer", "reference"], [])
+
+
 class _RecordingBackend:
     def __init__(self):
         self.moves = []
