@@ -52,6 +52,18 @@ def step_samples():
     ]
 
 
+def policy_batch():
+    """A collated batch of 8 short samples in 2 groups of 4, rewards 0 / 1, with GRPO-like advantages (reward -
+    0.5 on every response token): what a trainer's policy-gradient step takes."""
+    from rollflow.data.sample import Sample, collate
+
+    samples = [Sample(prompt_ids=[3, 20 + i % 5, 5], response_ids=[30 + i, 31, 32 + i % 3][: 1 + i % 3],
+                      group_id=i // 4, reward=float(i % 2)) for i in range(8)]
+    batch = collate(samples, pad_token_id=0)
+    batch.extras["advantages"] = (batch.rewards - 0.5).unsqueeze(1) * batch.response_mask  # [B, T]
+    return batch
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory) -> str:
     return save_random_model(tmp_path_factory.mktemp("random_model"))

@@ -11,19 +11,11 @@ from rollflow.backends.base import TrainerSettings
 from rollflow.backends.logprobs import model_logits
 from rollflow.backends.torch_backend import TorchBackend
 from rollflow.config import AlgorithmConfig
-from rollflow.data.sample import Sample, collate
 from rollflow.models import load_causal_lm
 from rollflow.workers.actor_loss import ActorLoss
+from tests.conftest import policy_batch
 
 LORA = {"rank": 4, "alpha": 8.0}
-
-
-def _batch():
-    samples = [Sample(prompt_ids=[3, 20 + i % 5, 5], response_ids=[30 + i, 31, 32 + i % 3][: 1 + i % 3],
-                      group_id=i // 4, reward=float(i % 2)) for i in range(8)]
-    batch = collate(samples, pad_token_id=0)
-    batch.extras["advantages"] = (batch.rewards - 0.5).unsqueeze(1) * batch.response_mask  # [B, T]
-    return batch
 
 
 def _loss():
@@ -35,7 +27,7 @@ def _trained(model_dir, lora=LORA, steps=1, **kwargs):
     torch.manual_seed(0)
     backend = TorchBackend(TrainerSettings(model_dir, device="cpu", lr=1e-2, micro_batch_size=8, lora=lora, **kwargs))
     for _ in range(steps):
-        backend.train_step(_batch(), _loss())
+        backend.train_step(policy_batch(), _loss())
     return backend
 
 
@@ -98,7 +90,7 @@ def test_merged_weight_is_w_plus_scale_b_a(random_model_dir):
 
 def test_named_weights_are_the_plain_models_names_and_give_the_peft_logits(random_model_dir):
     backend = _trained(random_model_dir)
-    batch = _batch()
+    batch = policy_batch()
     before = _logits(backend.model, batch)
     weights = backend.named_weights()
     plain = load_causal_lm(random_model_dir)
@@ -114,7 +106,7 @@ def test_named_weights_are_the_plain_models_names_and_give_the_peft_logits(rando
 
 def test_reference_logprobs_are_the_base_models(random_model_dir):
     backend = _trained(random_model_dir, steps=2)
-    batch = _batch()
+    batch = policy_batch()
     base = TorchBackend(TrainerSettings(random_model_dir, device="cpu", trainable=False, micro_batch_size=8))
     expected = base.forward_logprobs(batch, temperature=0.7)  # [B, T]
     reference = backend.forward_reference_logprobs(batch, temperature=0.7)
@@ -136,8 +128,8 @@ def test_worker_reference_logprobs_use_the_backends_adapters_off_model(random_mo
                              trainer_spec(config, "actor_train"))
     worker.backend = _trained(random_model_dir)  # instead of init_backend: this LoRA backend
     frozen = TorchBackend(TrainerSettings(random_model_dir, device="cpu", trainable=False))
-    expected = frozen.forward_logprobs(_batch(), temperature=0.7)
-    assert torch.allclose(worker.compute_reference_logprobs(_batch()), expected, atol=1e-6)
+    expected = frozen.forward_logprobs(policy_batch(), temperature=0.7)
+    assert torch.allclose(worker.compute_reference_logprobs(policy_batch()), expected, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -146,7 +138,7 @@ def test_save_writes_peft_adapters_and_a_merged_hf_model(random_model_dir, tmp_p
     from transformers import AutoModelForCausalLM
 
     backend = _trained(random_model_dir)
-    batch = _batch()
+    batch = policy_batch()
     expected = _logits(backend.model, batch)
     backend.save(tmp_path / "ckpt")
     for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.pt",
@@ -172,14 +164,14 @@ def test_save_load_then_step_equals_an_uninterrupted_step(random_model_dir, tmp_
     restored.load(tmp_path / "ckpt")
     assert torch.equal(torch.get_rng_state(), rng_at_save)
     assert restored.scheduler.get_last_lr() == backend.scheduler.get_last_lr()
-    restored.train_step(_batch(), _loss())
+    restored.train_step(policy_batch(), _loss())
     torch.set_rng_state(rng_at_save)
-    backend.train_step(_batch(), _loss())
+    backend.train_step(policy_batch(), _loss())
     a, b = dict(backend.model.named_parameters()), dict(restored.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in a)
     fresh = TorchBackend(TrainerSettings(random_model_dir, device="cpu", lr=1e-2, micro_batch_size=8, lora=lora,
                                          warmup_steps=4))
-    fresh.train_step(_batch(), _loss())  # without load: different adapters, so the check above has teeth
+    fresh.train_step(policy_batch(), _loss())  # without load: different adapters, so the check above has teeth
     c = dict(fresh.model.named_parameters())
     assert not all(torch.equal(a[n], c[n]) for n in a)
 

@@ -7,15 +7,12 @@ from rollflow.config import AlgorithmConfig
 from rollflow.data.sample import Sample, collate
 from rollflow.errors import NonFiniteError
 from rollflow.workers.actor_loss import ActorLoss
+from tests.conftest import policy_batch
 
 
 def _batch():
     torch.manual_seed(0)
-    samples = [Sample(prompt_ids=[3, 20 + i % 5, 5], response_ids=[30 + i, 31, 32 + i % 3][: 1 + i % 3],
-                      group_id=i // 4, reward=float(i % 2)) for i in range(8)]
-    batch = collate(samples, pad_token_id=0)
-    batch.extras["advantages"] = (batch.rewards - 0.5).unsqueeze(1) * batch.response_mask  # [B, T]
-    return batch
+    return policy_batch()
 
 
 def _trained_weights(model_dir, micro_batch_size, aggregation):

@@ -14,6 +14,7 @@ from rollflow.data.sample import Sample, collate
 from rollflow.errors import RollflowError
 from rollflow.workers.actor_loss import ActorLoss
 from rollflow.workers.old_logprobs import VersionSnapshots, exact_old_logprobs
+from tests.conftest import policy_batch
 
 TEMPERATURE = 0.7
 # (prompt, response, the version that sampled each response token; -1: an env token, not trained)
@@ -23,14 +24,6 @@ ROWS = [
     ([3, 23], [37, 38], [2, 2]),  # the current version's
     ([3, 24, 5], [39, 40, 41, 42], [1, -1, -1, 2]),  # a turn, an env reply, the next turn
 ]
-
-
-def _training_batch():
-    samples = [Sample(prompt_ids=[3, 20 + i % 5, 5], response_ids=[30 + i, 31, 32 + i % 3][: 1 + i % 3],
-                      group_id=i // 4, reward=float(i % 2)) for i in range(8)]
-    batch = collate(samples, pad_token_id=0)
-    batch.extras["advantages"] = (batch.rewards - 0.5).unsqueeze(1) * batch.response_mask  # [B, T]
-    return batch
 
 
 def _logprobs_from_disk(model_dir, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -56,7 +49,7 @@ def trained(random_model_dir, tmp_path_factory):
         snapshots.take(version, backend.model)
         backend.save(out / f"v{version}")
         if version < 2:
-            backend.train_step(_training_batch(), loss)
+            backend.train_step(policy_batch(), loss)
     return backend, snapshots, out
 
 
