@@ -237,8 +237,9 @@ def run_with_workers(step: PipelineStep, groups: WorkerGroups, stop: StopSignals
         tracker.print(line)
     write_placement(config.run_dir / "placement.json", groups)
     # asynchronous: the rollout runs through every phase, its roles are never offloaded
-    rollout_roles = step.phases.get("rollout", ()) if getattr(getattr(config, "rollout", None), "max_staleness", 0) else ()
-    colocation = ColocationManager(groups.plan, dict(groups), step.phases, pinned=frozenset(rollout_roles))
+    asynchronous = bool(getattr(getattr(config, "rollout", None), "max_staleness", 0))
+    pinned = frozenset(step.phases.get("rollout", ()) if asynchronous else ())
+    colocation = ColocationManager(groups.plan, dict(groups), step.phases, pinned=pinned)
     driver = Driver(config, groups, colocation, tracker, stop)
     try:
         step.start(groups, driver.colocation)

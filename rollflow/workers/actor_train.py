@@ -62,7 +62,7 @@ class ActorTrainWorker(PlacedWorker):
 
     def compute_old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, T] logprobs of each response token under the weights of the version that sampled it, and the
-        staleness term's metrics (`rollflow.workers.old_logprobs.exact_old_logprobs`)."""
+        share of stale tokens (`rollflow.workers.old_logprobs.exact_old_logprobs`)."""
         self.require_resident("compute_old_logprobs")
         return exact_old_logprobs(self.backend, self.snapshots, batch, self.version, self.temperature)
 
