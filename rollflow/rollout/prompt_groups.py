@@ -164,5 +164,12 @@ def _read_outcome(copy: asyncio.Future) -> None:
 
 
 def fail(sample: Sample, err: Exception) -> None:
+    """Mark `sample` failed with `err`: its first line says what was raised; a remote call's error (a Ray task
+    error, whose own first line is Ray's header naming the process) leads with the exception the call raised,
+    then Ray's text with the worker's traceback."""
     sample.status = SampleStatus.FAILED
-    sample.metadata["error"] = f"{type(err).__name__}: {err}"
+    cause = getattr(err, "cause", None)  # ray.exceptions.RayTaskError: what the remote method raised
+    error = f"{type(err).__name__}: {err}"
+    if isinstance(cause, BaseException):
+        error = f"{type(cause).__name__}: {cause}\n{error}"
+    sample.metadata["error"] = error

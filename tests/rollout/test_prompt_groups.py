@@ -59,3 +59,27 @@ def test_a_pool_reward_that_raises_fails_its_samples_and_logs_no_unread_future(c
     assert samples[1].reward == 1.0
     assert play.progressed == 3  # one report per pool future waited on
     assert "never retrieved" not in caplog.text, caplog.text
+
+
+def test_a_remote_calls_failure_leads_with_what_the_call_raised():
+    """A reward worker's error reaches the driver as a Ray task error whose first line is Ray's header (the
+    worker's pid and repr): the sample's error, and the step's warning that quotes its first line, name what
+    the reward raised."""
+    from ray.exceptions import RayTaskError
+
+    from rollflow.data.sample import Sample, SampleStatus
+    from rollflow.rollout.filters import failure_warning
+    from rollflow.rollout.prompt_groups import fail
+
+    error = RayTaskError("score_group", "Traceback (most recent call last):\n  File \"reward.py\", line 1\n"
+                        "RuntimeError: reward worker is offloaded", RuntimeError("reward worker is offloaded"))
+    failed, kept = Sample([1], [2], group_id=0), Sample([1], [3], group_id=0)
+    fail(failed, error)
+    assert failed.status == SampleStatus.FAILED
+    assert failed.metadata["error"].splitlines()[0] == "RuntimeError: reward worker is offloaded"
+    assert "RayTaskError" in failed.metadata["error"]  # Ray's text, with the worker's traceback, follows
+    assert failure_warning([failed, kept], "step 5") == \
+        "step 5: 1 of 2 samples failed; the first failed with: RuntimeError: reward worker is offloaded"
+    plain = Sample([1], [2], group_id=0)
+    fail(plain, ValueError("bad row"))
+    assert plain.metadata["error"] == "ValueError: bad row"

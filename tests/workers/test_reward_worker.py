@@ -245,7 +245,9 @@ def test_scheduler_keeps_collecting_while_a_group_is_scored(ray_session):
     assert next(s for s in failed if s.response_text == "2-1").metadata["error"] == \
         "RewardScoreError: reward 'slow': cannot judge"  # one sample the scorer could not judge
     crashed = [s.metadata["error"] for s in by_group[3]]  # the whole group fails with the scorer
-    assert all(e.startswith("RayTaskError(RuntimeError)") and "scorer crashed" in e for e in crashed)
+    # what the scorer raised first, then Ray's text with the worker's traceback
+    assert all(e.splitlines()[0] == "RuntimeError: scorer crashed" and "RayTaskError(RuntimeError)" in e
+               for e in crashed)
     scored = [s for s in result.samples if s.status != SampleStatus.FAILED]
     for sample in scored:  # exact: 1 for "k-0"; slow: 1 for "k-0"; total = 1.0 * exact + 0.5 * slow
         hit = float(sample.response_text.endswith("-0"))
