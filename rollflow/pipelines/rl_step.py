@@ -170,14 +170,14 @@ class RLStep(StepDefaults):
                 batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
                                                                   config.roles.reference.backend)
         old_metrics = {}
-        if config.algorithm.old_logprobs == "exact":  # each token's under its sampling version's weights
+        exact = config.algorithm.old_logprobs == "exact"  # each token's under its sampling version's weights
+        if exact or self.advantages.needs_policy_logprobs:
             colocation.enter("old_logprobs")
             with span("old_logprobs"):
-                batch.extras["old_logprobs"], old_metrics = actor.call("compute_old_logprobs", batch)
-        elif self.advantages.needs_policy_logprobs:
-            colocation.enter("old_logprobs")
-            with span("old_logprobs"):
-                batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
+                if exact:
+                    batch.extras["old_logprobs"], old_metrics = actor.call("compute_old_logprobs", batch)
+                else:
+                    batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
         if "critic" in groups:
             colocation.enter("values")
             with span("values"):
