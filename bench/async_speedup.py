@@ -30,7 +30,7 @@ evaluated on the same 200 held-out sums; the line has `io_bound_async_speedup` a
 same for `async_exact` (`algorithm.old_logprobs: exact`).
 
 Usage: python bench/async_speedup.py [--steps 40] [--max-staleness 2] [--long-tokens 32] [--only sync,async]
-       python bench/async_speedup.py --workload io_bound [--steps 120] [--judge-delay-s 0.3]
+       python bench/async_speedup.py --workload io_bound [--steps 120] [--judge-delay-s 0.3] [--runs-dir DIR]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def io_bound_config(steps: int, url: str) -> dict:
 
 IO_BOUND_VARIANTS = {
     "sync": {},
-    "async": {"rollout": {"max_staleness": 1},
+    "async": {"rollout": {"max_staleness": 1},  # `--max-staleness` sets K
               "cluster": {"num_devices": 3, "num_cpus": 3},  # device 2 is core 0 again: it shares the trainer's cores
               "roles": {"actor_train": {"num_cpus": 2, "device_mapping": [0, 1]},
                         "actor_infer": {"hybrid": False, "num_cpus": 1, "device_mapping": [2]}}},
@@ -143,18 +143,27 @@ def io_bound(args) -> dict:
     results = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            variants = {**IO_BOUND_VARIANTS, "async_exact": merged(IO_BOUND_VARIANTS["async"], EXACT)}
+            runs = Path(args.runs_dir or tmp)
+            bound = {"rollout": {"max_staleness": args.max_staleness}}
+            asynchronous = merged(IO_BOUND_VARIANTS["async"], bound)
+            variants = {"sync": IO_BOUND_VARIANTS["sync"], "async": asynchronous,
+                        "async_exact": merged(asynchronous, EXACT)}
             for name, change in variants.items():
-                results[name] = run(name, merged(io_bound_config(args.steps, url), change), Path(tmp))
+                if name not in args.only.split(","):
+                    continue
+                results[name] = run(name, merged(io_bound_config(args.steps, url), change), runs)
     finally:
         server.shutdown()
-    return {"workload": "io_bound", "steps": args.steps, "judge_delay_s": args.judge_delay_s,
-            "judge_sigma": args.judge_sigma,
-            **{name: {k: round(v, 4) for k, v in r.items()} for name, r in results.items()},
-            "io_bound_async_speedup": round(results["async"]["samples_per_s"] / results["sync"]["samples_per_s"], 3),
-            "accuracy_gap": round(results["async"]["accuracy"] - results["sync"]["accuracy"], 4),
-            "exact_speedup": round(results["async_exact"]["samples_per_s"] / results["sync"]["samples_per_s"], 3),
-            "exact_accuracy_gap": round(results["async_exact"]["accuracy"] - results["sync"]["accuracy"], 4)}
+    out = {"workload": "io_bound", "steps": args.steps, "max_staleness": args.max_staleness,
+           "judge_delay_s": args.judge_delay_s, "judge_sigma": args.judge_sigma,
+           **{name: {k: round(v, 4) for k, v in r.items()} for name, r in results.items()}}
+    if "sync" in results:
+        for name, speedup, gap in (("async", "io_bound_async_speedup", "accuracy_gap"),
+                                   ("async_exact", "exact_speedup", "exact_accuracy_gap")):
+            if name in results:
+                out[speedup] = round(results[name]["samples_per_s"] / results["sync"]["samples_per_s"], 3)
+                out[gap] = round(results[name]["accuracy"] - results["sync"]["accuracy"], 4)
+    return out
 
 
 def merged(base: dict, change: dict) -> dict:
@@ -187,13 +196,19 @@ def run(name: str, config: dict, workdir: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=None, help="K; default 2 (io_bound: 1)")
     parser.add_argument("--long-tokens", type=int, default=32)
-    parser.add_argument("--only", default="sync,async,tail")
+    parser.add_argument("--only", default=None, help="default: sync,async,tail (io_bound: sync,async,async_exact)")
     parser.add_argument("--workload", choices=("long_tail", "io_bound"), default="long_tail")
+    parser.add_argument("--runs-dir", default=None,
+                        help="io_bound: keep the run directories here (for `rollflow diagnose`); default: a temporary one")
     parser.add_argument("--judge-delay-s", type=float, default=0.3, help="io_bound: median judge latency")
     parser.add_argument("--judge-sigma", type=float, default=0.5, help="io_bound: log-normal shape of it")
     args = parser.parse_args()
+    if args.max_staleness is None:
+        args.max_staleness = 1 if args.workload == "io_bound" else 2
+    if args.only is None:
+        args.only = "sync,async,async_exact" if args.workload == "io_bound" else "sync,async,tail"
     if args.workload == "io_bound":
         print(json.dumps(io_bound(args)))
         return

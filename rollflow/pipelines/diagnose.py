@@ -10,7 +10,12 @@ checkpoints, logging). Then it names the levers that fit what it found:
 * the engines share the trainer's devices: asynchronous training cannot overlap them; give the engines devices
   of their own first;
 * synchronous, disaggregated, rollout and training both sizeable: asynchronous training (`max_staleness: 1`)
-  overlaps them, predicted step = max(rollout, train) + the rest;
+  overlaps them;
+* synchronous, a rollout that mostly waits (for rewards with nothing generating, or for the batch's last tenth):
+  asynchronous training overlaps the waits, which need no device, even where the engines now share the
+  trainer's devices (they need a device of their own for it, which on a CPU machine may share a core);
+* either way the predicted asynchronous step is max(rollout - its tail, train) + sync + the rest: the next
+  step's groups generate while the trainer trains and while this step's last groups finish;
 * the trainer is the bottleneck (rollout hidden or short): asynchronous training has nothing more to hide;
 * a long tail: tail batching (`overprovision`) when synchronous, partial rollout (which asynchronous runs get)
   otherwise;
@@ -106,15 +111,24 @@ def _levers(d: Diagnosis, rollout: float, tail: float, reward_wait: float, train
             rest: float) -> list[str]:
     levers, step = [], d.step_s or 1.0
     rollout_bound, train_bound = rollout / step >= SHARE, train / step >= SHARE
-    if d.max_staleness == 0 and d.shared_devices and rollout_bound and train_bound:
+    waits = min(rollout, reward_wait + tail)  # what the rollout spends waiting rather than generating
+    predicted = max(rollout - min(tail, rollout), train) + sync + rest  # the step with K = 1
+    gain = (f"predicted step {predicted:.3f} s, {step / predicted:.2f}x (if training keeps its time, and before "
+            "staleness's cost in learning per step)")
+    if d.max_staleness == 0 and rollout_bound and waits / step >= SHARE:
+        placement = (f"give actor_infer a device of its own ({d.shared_devices}; roles.*.device_mapping, on a CPU "
+                     "machine one that shares a core) and set rollout.max_staleness: 1" if d.shared_devices
+                     else "rollout.max_staleness: 1")
+        levers.append(f"asynchronous training: the rollout waits {waits:.3f} s of the step for rewards and its last "
+                      f"groups, which needs no device, so training ({train:.3f} s) and the next step's groups can "
+                      f"run meanwhile: {placement}; {gain}")
+    elif d.max_staleness == 0 and d.shared_devices and rollout_bound and train_bound:
         levers.append(f"asynchronous training cannot help as placed: {d.shared_devices}, so generating and "
                       "training cannot overlap; give actor_infer devices of its own (roles.*.device_mapping), "
                       "then set rollout.max_staleness: 1")
     elif d.max_staleness == 0 and rollout_bound and train_bound:
-        predicted = max(rollout, train) + sync + rest
         levers.append(f"asynchronous training (rollout.max_staleness: 1) overlaps the rollout ({rollout:.3f} s) "
-                      f"with training ({train:.3f} s): predicted step {predicted:.3f} s, {step / predicted:.2f}x "
-                      "(before staleness's cost in learning per step)")
+                      f"with training ({train:.3f} s): {gain}")
     if train_bound and not rollout_bound:
         why = ("the rollout is already hidden behind training" if d.max_staleness
                else "the rollout is short beside training")

@@ -44,6 +44,22 @@ def test_a_synchronous_disaggregated_run_is_told_what_async_would_give(tmp_path)
                                 "with training (0.400 s): predicted step 0.600 s, 1.67x")
 
 
+def test_a_rollout_that_waits_is_told_async_helps_even_on_the_trainers_devices(tmp_path):
+    """The io-bound workload's shape (bench/async_speedup.py --workload io_bound): the quickstart's hybrid engine,
+    a step mostly waiting for a judge. The waits need no device, so async is named (with a device of its own for
+    the engine), not refused as placed; the prediction takes the tail off the rollout."""
+    levers = _levers(tmp_path, [], step=3.7, rollout=3.15, train=0.5, reward_wait=1.6,
+                     **{"rollout/tail_wait_seconds": 0.8})
+    assert levers[0].startswith("asynchronous training: the rollout waits 2.400 s of the step for rewards and its "
+                                "last groups")
+    assert "give actor_infer a device of its own (the engine runs inside actor_train's worker" in levers[0]
+    assert "predicted step 2.400 s, 1.54x" in levers[0]  # max(3.15 - 0.8, 0.5) + the rest (0.05)
+    assert not any("cannot help as placed" in lever for lever in levers)
+    # a rollout that computes (no waits) on the same devices is still told to move the engine first
+    levers = _levers(tmp_path / "computing", [], step=1.0, rollout=0.45, train=0.45, reward_wait=0.0)
+    assert levers[0].startswith("asynchronous training cannot help as placed")
+
+
 def test_a_trainer_bound_asynchronous_run_is_told_async_cannot_help_more(tmp_path):
     levers = _levers(tmp_path, [*DISAGGREGATED, "rollout.max_staleness=1"], step=0.86, rollout=0.001, train=0.76)
     assert len(levers) == 1 and "the trainer is the bottleneck (88% of the step): the rollout is already hidden" \
