@@ -20,7 +20,8 @@ checkpoints, logging). Then it names the levers that fit what it found:
 * a long tail: tail batching (`overprovision`) when synchronous, partial rollout (which asynchronous runs get)
   otherwise;
 * a rollout wait that is not the tail: more engines;
-* reward waits: more reward concurrency.
+* reward waits: more reward concurrency;
+* exact old logprobs (`algorithm.old_logprobs: exact`) taking a sizeable part of the step: what `current` saves.
 """
 
 from __future__ import annotations
@@ -98,12 +99,21 @@ def diagnose(run_dir: Path) -> Diagnosis:
     reward_wait, train, sync = _median(steps, "time/reward_wait"), _median(steps, "time/train"), _median(
         steps, "sync/seconds")
     rest = max(0.0, step_s - rollout - train - sync)
+    old, reference = _median(steps, "time/old_logprobs"), _median(steps, "time/reference")
     parts = {"waiting for the rollout": rollout, "  of which the last tenth of groups": min(tail, rollout),
              "  of which rewards, nothing generating": min(reward_wait, rollout), "training": train,
              "weight sync": sync, "the rest (logprobs, advantages, logs)": rest}
+    for key, name in (("time/old_logprobs", "old logprobs"), ("time/reference", "reference logprobs")):
+        if any(key in row for row in steps):  # runs from before these were logged lack them
+            parts[f"  of which {name}"] = min(_median(steps, key), rest)
     k = config.rollout.max_staleness
     diagnosis = Diagnosis(len(steps), step_s, parts, k, _shared_devices(config))
     diagnosis.levers = _levers(diagnosis, rollout, tail, reward_wait, train, sync, rest)
+    if config.algorithm.old_logprobs == "exact" and old / (step_s or 1.0) >= SHARE / 2:
+        diagnosis.levers.append(
+            f"exact old logprobs cost {old:.3f} s a step ({old / (step_s or 1.0):.0%}: a forward pass per policy "
+            f"version that sampled the batch); algorithm.old_logprobs: current saves it, at the price of the "
+            f"staleness correction ({'fine at' if k <= 1 else 'risky at'} max_staleness {k}: docs/async.md)")
     return diagnosis
 
 

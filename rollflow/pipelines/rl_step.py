@@ -12,6 +12,7 @@ warnings, metrics), its eval and its console.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -165,25 +166,30 @@ class RLStep(StepDefaults):
         """Reference logprobs and values as needed, advantages, then the critic and actor updates."""
         config, groups, colocation = self.config, self.groups, self.colocation
         actor = groups["actor_train"]
+        timings = {}  # the driver's wait for each forward pass before the update (`rollflow diagnose` reads them)
         if config.algorithm.needs_reference:
+            started = time.perf_counter()
             with span("reference"):
                 batch.extras["ref_logprobs"] = reference_logprobs(batch, groups, colocation,
                                                                   config.roles.reference.backend)
+            timings["time/reference"] = time.perf_counter() - started
         old_metrics = {}
         exact = config.algorithm.old_logprobs == "exact"  # each token's under its sampling version's weights
         if exact or self.advantages.needs_policy_logprobs:
+            started = time.perf_counter()
             colocation.enter("old_logprobs")
             with span("old_logprobs"):
                 if exact:
                     batch.extras["old_logprobs"], old_metrics = actor.call("compute_old_logprobs", batch)
                 else:
                     batch.extras["old_logprobs"] = actor.call("compute_logprobs", batch)
+            timings["time/old_logprobs"] = time.perf_counter() - started
         if "critic" in groups:
             colocation.enter("values")
             with span("values"):
                 batch.extras["values"] = groups["critic"].call("compute_values", batch)
         with span("advantages"):
-            metrics = {**self.advantages(batch), **old_metrics}
+            metrics = {**self.advantages(batch), **old_metrics, **timings}
         if "critic" in groups:
             colocation.enter("critic_train")
             with span("critic_train"):

@@ -483,6 +483,10 @@ METRIC_GROUPS: tuple[MetricGroup, ...] = (
                    "(RLVR)."),
             Metric("time/train", SECONDS, "The actor's update in the trainer, all optimizer steps."),
             Metric("time/critic_train", SECONDS, "The critic's update (gae)."),
+            Metric("time/reference", SECONDS, "The reference model's logprobs of the batch (KL to a reference)."),
+            Metric("time/old_logprobs", SECONDS,
+                   "The trainer's logprobs of the batch before the update (`algorithm.old_logprobs: exact`: one "
+                   "forward pass per policy version that sampled its tokens)."),
             Metric("time/<phase>_offload_onload", SECONDS,
                    "Moving roles off and onto their devices to enter phase `<phase>` (colocated roles "
                    "time-share devices: rollout, reference, old_logprobs, values, critic_train, "

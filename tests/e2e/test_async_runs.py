@@ -73,6 +73,7 @@ def test_an_asynchronous_run_killed_with_prompts_in_flight_resumes_to_train_each
     # ratio is the engine-trainer discrepancy alone (the hf engine runs the trainer's model: float noise)
     assert any(r["actor/stale_token_frac"] > 0 for r in steps)
     assert all(r["actor/train_infer_log_ratio_abs_mean"] < 1e-4 for r in steps)
+    assert all(r["time/old_logprobs"] > 0 for r in steps)  # the forward passes' wait, for `rollflow diagnose`
 
 
 AGENTIC = ["pipeline=agentic", "env.id=frozenlake", "env.kwargs={size: 3, max_turns: 4}", "env.max_turns=4",

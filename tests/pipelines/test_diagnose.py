@@ -74,6 +74,21 @@ def test_a_long_tail_and_reward_waits_are_named(tmp_path):
     assert any(lever.startswith("rewards: the step waits 15.000 s") for lever in levers)
 
 
+def test_exact_old_logprobs_that_cost_a_sizeable_part_of_the_step_are_named(tmp_path):
+    """The io-bound workload's asynchronous run with exact old logprobs: 0.41 s of its 2.82 s step is the forward
+    pass per sampling version, shown under the rest and named as what `current` would save."""
+    async_exact = [*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.old_logprobs=exact"]
+    diagnosis = diagnose(_run_dir(tmp_path, async_exact, {"time/step": 2.82, "time/rollout": 1.63, "time/train": 0.75,
+                                                          "time/old_logprobs": 0.41}))
+    assert diagnosis.parts["  of which old logprobs"] == 0.41
+    assert any(lever.startswith("exact old logprobs cost 0.410 s a step (15%") and "fine at max_staleness 1"
+               in lever for lever in diagnosis.levers)
+    current = diagnose(_run_dir(tmp_path / "current", DISAGGREGATED, {"time/step": 2.8, "time/rollout": 1.6,
+                                                                      "time/train": 0.75}))
+    assert "  of which old logprobs" not in current.parts
+    assert not any(lever.startswith("exact old logprobs") for lever in current.levers)
+
+
 def test_the_command_prints_the_split_and_refuses_what_is_not_a_run(tmp_path, capsys):
     run_dir = _run_dir(tmp_path, DISAGGREGATED, {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4})
     assert main(["diagnose", str(run_dir)]) == 0
