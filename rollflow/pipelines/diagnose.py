@@ -99,7 +99,7 @@ def diagnose(run_dir: Path) -> Diagnosis:
     reward_wait, train, sync = _median(steps, "time/reward_wait"), _median(steps, "time/train"), _median(
         steps, "sync/seconds")
     rest = max(0.0, step_s - rollout - train - sync)
-    old, reference = _median(steps, "time/old_logprobs"), _median(steps, "time/reference")
+    old = _median(steps, "time/old_logprobs")
     parts = {"waiting for the rollout": rollout, "  of which the last tenth of groups": min(tail, rollout),
              "  of which rewards, nothing generating": min(reward_wait, rollout), "training": train,
              "weight sync": sync, "the rest (logprobs, advantages, logs)": rest}
