@@ -139,6 +139,20 @@ def check_exact_old_logprobs(config) -> None:
                          "or old_logprobs: current")
 
 
+def stale_old_logprobs_warnings(config) -> list[str]:
+    """A line to print when an asynchronous run bounds staleness at 2 or more with `current` old logprobs: the
+    PPO clip then sees none of the staleness (it rides in the truncated train-inference ratio), and on the
+    io-bound bench such a run collapsed where `exact` learned (docs/async.md)."""
+    k = min(config.rollout.max_staleness, config.train.steps)
+    if k < 2 or config.algorithm.old_logprobs != "current":
+        return []
+    fix = ("algorithm.old_logprobs: exact" if config.roles.actor_train.backend == "torch"
+           else "rollout.max_staleness: 1 (exact old logprobs need the torch backend)")
+    return [f"rollout.max_staleness is {k} with algorithm.old_logprobs: current: tokens up to {k} versions old are "
+            "trained with the clip blind to their staleness, which collapsed a K = 2 run of the io-bound bench "
+            f"(docs/async.md); set {fix}"]
+
+
 class LossFields(Strict):
     """The actor loss settings every RL pipeline shares (the advantage estimator, its registry and the rest of
     the algorithm are each pipeline's: `advantage` and `ADVANTAGES`)."""

@@ -13,6 +13,7 @@ import sys
 from rollflow.cluster.colocation import ColocationManager
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config.agentic import AgenticConfig
+from rollflow.config.rlvr import stale_old_logprobs_warnings
 from rollflow.data.multiturn import TurnEncoder
 from rollflow.data.sample import SampleStatus
 from rollflow.engines.base import SamplingParams
@@ -88,7 +89,7 @@ class AgenticStep(RLStep):
         self.encoder = TurnEncoder(self.tokenizer, self.config.env.system_prompt, processor=self.processor)
         self.settings = episode_settings(self.config, run_context_length(self.config, model_config))
         check_system_prompt_fits(self.encoder, self.settings, self.sampling.max_new_tokens)
-        return []
+        return stale_old_logprobs_warnings(self.config)
 
     @property
     def pad_token_id(self) -> int:

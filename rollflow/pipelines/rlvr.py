@@ -11,6 +11,7 @@ import sys
 
 from rollflow.cluster.groups import WorkerGroups
 from rollflow.config import RLVRConfig
+from rollflow.config.rlvr import stale_old_logprobs_warnings
 from rollflow.engines.base import SamplingParams
 from rollflow.inputs.prompt_sets import build_sampler, load_prompt_sets
 from rollflow.pipelines.loop import Progress, run_pipeline
@@ -72,7 +73,7 @@ class RLVRStep(RLStep):
         self.inputs = load_prompt_sets(config, roles)
         check_group_by(self.inputs.eval_prompts, config.eval.group_by)
         warm_up_rewards(f.name for functions in configured_rewards(config.reward).values() for f in functions)
-        return self.inputs.warnings
+        return [*self.inputs.warnings, *stale_old_logprobs_warnings(config)]
 
     @property
     def pad_token_id(self) -> int:

@@ -120,3 +120,30 @@ def test_exact_old_logprobs_need_the_torch_backend():
 
     with pytest.raises(ConfigError, match="old_logprobs=exact needs roles.actor_train.backend=torch"):
         load_config(None, ["algorithm.old_logprobs=exact", "roles.actor_train.backend=fsdp2"])
+
+
+ASYNC_K2 = ["roles.actor_infer.hybrid=false", "roles.actor_train.device_mapping=[0]",
+            "roles.actor_infer.device_mapping=[1]", "rollout.max_staleness=2"]
+
+
+@pytest.mark.parametrize("pipeline", ["rlvr", "agentic"])
+def test_a_staleness_bound_of_2_with_current_old_logprobs_is_warned_of_before_the_run(pipeline):
+    """K >= 2 with `current` trains tokens two versions old with the clip blind to it (the io-bound bench
+    collapsed so): the input check returns a line naming the fix; with `exact`, or at K = 1, none."""
+    from rollflow.config import load_config
+    from rollflow.pipelines.agentic import AgenticStep
+    from rollflow.pipelines.rlvr import RLVRStep
+
+    step_class = {"rlvr": RLVRStep, "agentic": AgenticStep}[pipeline]
+
+    def warnings(*overrides: str) -> list[str]:
+        config = load_config(None, [f"pipeline={pipeline}", *ASYNC_K2, *overrides])
+        step = step_class(config)
+        return [line for line in step.check_inputs(step.roles()) if "old_logprobs" in line]
+
+    (line,) = warnings()
+    assert line.startswith("rollout.max_staleness is 2 with algorithm.old_logprobs: current")
+    assert line.endswith("set algorithm.old_logprobs: exact")
+    assert warnings("algorithm.old_logprobs=exact") == []
+    assert warnings("rollout.max_staleness=1") == []
+    assert warnings("train.steps=1") == []  # a bound above the run's steps acts as the steps
