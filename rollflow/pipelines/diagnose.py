@@ -21,11 +21,15 @@ checkpoints, logging). Then it names the levers that fit what it found:
   otherwise;
 * a rollout wait that is not the tail: more engines;
 * reward waits: more reward concurrency;
-* exact old logprobs (`algorithm.old_logprobs: exact`) taking a sizeable part of the step: what `current` saves.
+* exact old logprobs (`algorithm.old_logprobs: exact`) taking a sizeable part of the step: what `current` saves;
+* for a simulated run (`cluster.device: sim`) with a lever to act on, the planner's predicted gain: read from the
+  `plan.json` beside the run directory when `rollflow plan` made the run, else the `rollflow plan` command that
+  simulates the placements.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,12 +113,43 @@ def diagnose(run_dir: Path) -> Diagnosis:
     k = config.rollout.max_staleness
     diagnosis = Diagnosis(len(steps), step_s, parts, k, _shared_devices(config))
     diagnosis.levers = _levers(diagnosis, rollout, tail, reward_wait, train, sync, rest)
+    planner = _planner_line(run_dir, config) if diagnosis.levers else None
+    if planner:
+        diagnosis.levers.append(planner)
     if config.algorithm.old_logprobs == "exact" and old / (step_s or 1.0) >= SHARE / 2:
         diagnosis.levers.append(
             f"exact old logprobs cost {old:.3f} s a step ({old / (step_s or 1.0):.0%}: a forward pass per policy "
             f"version that sampled the batch); algorithm.old_logprobs: current saves it, at the price of the "
             f"staleness correction ({'fine at' if k <= 1 else 'risky at'} max_staleness {k}: docs/async.md)")
     return diagnosis
+
+
+def _planner_line(run_dir: Path, config) -> str | None:
+    """What the planner predicts for a simulated run: the placements `rollflow plan` simulated, when the run is one
+    of them (its `plan.json` beside the run directory), else the command that simulates them. None for a run on
+    real devices (the planner simulates a hardware profile, not this machine)."""
+    plan_file = run_dir.parent / "plan.json"
+    try:
+        result = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+        found = {c["name"]: c for c in result["candidates"]} if result else {}
+        best, synchronous = found[result["best"]], next(c for c in found.values() if c["max_staleness"] == 0)
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):  # not a plan's run, or a plan.json cut short
+        found = {}
+    if found:
+        line = (f"the planner's simulation ({plan_file}) of {len(found)} placements on {result['gpus']} "
+                f"{result['profile']} GPUs: the fastest is {best['describe']}, "
+                f"{best['samples_per_s'] / synchronous['samples_per_s']:.2f}x the synchronous one")
+        this = found.get(run_dir.name)
+        if this is not None and this is not best:
+            line += (f"; this run ({this['describe']}) is "
+                     f"{this['samples_per_s'] / synchronous['samples_per_s']:.2f}x")
+        return line
+    if config.cluster.device != "sim":
+        return None
+    gpus = config.cluster.num_devices
+    return (f"to predict each lever's gain on this simulated cluster: rollflow plan {run_dir / 'config.yaml'} "
+            f"--gpus {gpus if gpus else 'N'} --profile {config.cluster.sim.profile} simulates the synchronous and "
+            "asynchronous placements (K = 1, 2) and names the fastest")
 
 
 def _levers(d: Diagnosis, rollout: float, tail: float, reward_wait: float, train: float, sync: float,

@@ -89,6 +89,38 @@ def test_exact_old_logprobs_that_cost_a_sizeable_part_of_the_step_are_named(tmp_
     assert not any(lever.startswith("exact old logprobs") for lever in current.levers)
 
 
+def test_a_simulated_run_gets_the_planners_predicted_gain(tmp_path):
+    """A simulated synchronous run with a long tail: beside the levers, what the planner simulated for its config
+    (the `plan.json` of `rollflow plan`, which made the run), or where no plan made it, the command that would."""
+    from rollflow.pipelines.plan import Candidate, simulated_overrides
+
+    sync = Candidate(8, 8, True, 0)
+    overrides = [*simulated_overrides(sync, "h800-7b", 20.0, 16, 8192, 6), "rollout.deterministic=false"]
+    step = {"time/step": 80.0, "time/rollout": 67.0, "time/train": 3.0, "rollout/tail_wait_seconds": 40.0}
+    plan_dir = tmp_path / "plan"
+    run_dir = _run_dir(plan_dir, overrides, step)
+    run_dir.rename(plan_dir / sync.name)
+    run_dir = plan_dir / sync.name
+    levers = diagnose(run_dir).levers
+    assert levers[-1] == (f"to predict each lever's gain on this simulated cluster: rollflow plan {run_dir}/config.yaml "
+                          "--gpus 8 --profile h800-7b simulates the synchronous and asynchronous placements (K = 1, "
+                          "2) and names the fastest")
+    asynchronous = Candidate(4, 4, False, 1)
+    plan = {"profile": "h800-7b", "gpus": 8, "best": asynchronous.name, "candidates": [
+        {"name": asynchronous.name, "describe": asynchronous.describe(), "max_staleness": 1, "samples_per_s": 12.0},
+        {"name": sync.name, "describe": sync.describe(), "max_staleness": 0, "samples_per_s": 6.0}]}
+    (plan_dir / "plan.json").write_text(json.dumps(plan))
+    levers = diagnose(run_dir).levers
+    assert any(lever.startswith("a long tail") for lever in levers)
+    assert levers[-1] == (f"the planner's simulation ({plan_dir}/plan.json) of 2 placements on 8 h800-7b GPUs: the "
+                          "fastest is asynchronous (max_staleness 1): 4 GPUs train, 4 engines, 2.00x the synchronous "
+                          "one; this run (synchronous, trainer and 8 engines colocated on all 8 GPUs) is 1.00x")
+    # a run on this machine's devices gets no planner line: the planner simulates a profile, not this machine
+    assert not any("planner" in lever or "rollflow plan" in lever
+                   for lever in _levers(tmp_path / "cpu", ["rollout.deterministic=false"], step=80.0, rollout=67.0,
+                                        train=3.0, **{"rollout/tail_wait_seconds": 40.0}))
+
+
 def test_the_command_prints_the_split_and_refuses_what_is_not_a_run(tmp_path, capsys):
     run_dir = _run_dir(tmp_path, DISAGGREGATED, {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4})
     assert main(["diagnose", str(run_dir)]) == 0
