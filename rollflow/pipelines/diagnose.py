@@ -22,6 +22,7 @@ checkpoints, logging). Then it names the levers that fit what it found:
 * a rollout wait that is not the tail: more engines;
 * reward waits: more reward concurrency;
 * exact old logprobs (`algorithm.old_logprobs: exact`) taking a sizeable part of the step: what `current` saves;
+* colocated roles' offload / onload between phases taking a quarter of the step: devices of their own;
 * for a simulated run (`cluster.device: sim`) with a lever to act on, the planner's predicted gain: read from the
   `plan.json` beside the run directory when `rollflow plan` made the run, else the `rollflow plan` command that
   simulates the placements.
@@ -110,9 +111,19 @@ def diagnose(run_dir: Path) -> Diagnosis:
     for key, name in (("time/old_logprobs", "old logprobs"), ("time/reference", "reference logprobs")):
         if any(key in row for row in steps):  # runs from before these were logged lack them
             parts[f"  of which {name}"] = min(_median(steps, key), rest)
+    # colocated roles moving off and onto their devices between phases (`time/<phase>_offload_onload`)
+    switching = statistics.median(sum(v for k, v in row.items() if k.endswith("_offload_onload")) for row in steps)
+    if switching:
+        parts["  of which offload / onload between phases"] = min(switching, rest)
     k = config.rollout.max_staleness
     diagnosis = Diagnosis(len(steps), step_s, parts, k, _shared_devices(config))
     diagnosis.levers = _levers(diagnosis, rollout, tail, reward_wait, train, sync, rest)
+    if switching / (step_s or 1.0) >= SHARE:
+        diagnosis.levers.append(
+            f"colocated roles moving off and onto their devices between phases take {switching:.3f} s of the step "
+            f"({switching / (step_s or 1.0):.0%}): engines on devices of their own (roles.*.device_mapping, "
+            "disaggregated) do not move, and then asynchronous training (rollout.max_staleness: 1) can overlap them "
+            "with the trainer")
     planner = _planner_line(run_dir, config) if diagnosis.levers else None
     if planner:
         diagnosis.levers.append(planner)

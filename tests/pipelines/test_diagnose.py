@@ -89,6 +89,17 @@ def test_exact_old_logprobs_that_cost_a_sizeable_part_of_the_step_are_named(tmp_
     assert not any(lever.startswith("exact old logprobs") for lever in current.levers)
 
 
+def test_offload_and_onload_between_phases_are_named(tmp_path):
+    """A colocated run whose step is mostly its roles moving between phases (the planner's short-response
+    synchronous placement): the moves are shown under the rest, summed over phases, and named."""
+    diagnosis = diagnose(_run_dir(tmp_path, [], {"time/step": 0.77, "time/rollout": 0.18, "time/train": 0.06,
+                                                 "time/rollout_offload_onload": 0.2,
+                                                 "time/actor_train_offload_onload": 0.23}))
+    assert diagnosis.parts["  of which offload / onload between phases"] == pytest.approx(0.43)
+    assert diagnosis.levers[0].startswith("colocated roles moving off and onto their devices between phases take "
+                                          "0.430 s of the step (56%): engines on devices of their own")
+
+
 def test_a_simulated_run_gets_the_planners_predicted_gain(tmp_path):
     """A simulated synchronous run with a long tail: beside the levers, what the planner simulated for its config
     (the `plan.json` of `rollflow plan`, which made the run), or where no plan made it, the command that would."""
