@@ -12,7 +12,7 @@ checkpoints, logging). Then it names the levers that fit what it found:
 * synchronous, disaggregated, rollout and training both sizeable: asynchronous training (`max_staleness: 1`)
   overlaps them;
 * synchronous, a rollout that mostly waits (for rewards with nothing generating, or for the batch's last tenth):
-  asynchronous training overlaps the waits, which need no device, even where the engines now share the
+  asynchronous training overlaps the waits, which leave most devices idle, even where the engines now share the
   trainer's devices (they need a device of their own for it, which on a CPU machine may share a core);
 * either way the predicted asynchronous step is max(rollout - its tail, train) + sync + the rest: the next
   step's groups generate while the trainer trains and while this step's last groups finish;
@@ -176,7 +176,7 @@ def _levers(d: Diagnosis, rollout: float, tail: float, reward_wait: float, train
                      "machine one that shares a core) and set rollout.max_staleness: 1" if d.shared_devices
                      else "rollout.max_staleness: 1")
         levers.append(f"asynchronous training: the rollout waits {waits:.3f} s of the step for rewards and its last "
-                      f"groups, which needs no device, so training ({train:.3f} s) and the next step's groups can "
+                      f"groups, with most devices idle, so training ({train:.3f} s) and the next step's groups can "
                       f"run meanwhile: {placement}; {gain}")
     elif d.max_staleness == 0 and d.shared_devices and rollout_bound and train_bound:
         levers.append(f"asynchronous training cannot help as placed: {d.shared_devices}, so generating and "
