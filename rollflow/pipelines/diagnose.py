@@ -118,21 +118,28 @@ def diagnose(run_dir: Path) -> Diagnosis:
     k = config.rollout.max_staleness
     diagnosis = Diagnosis(len(steps), step_s, parts, k, _shared_devices(config))
     diagnosis.levers = _levers(diagnosis, rollout, tail, reward_wait, train, sync, rest)
-    if switching / (step_s or 1.0) >= SHARE:
-        diagnosis.levers.append(
-            f"colocated roles moving off and onto their devices between phases take {switching:.3f} s of the step "
-            f"({switching / (step_s or 1.0):.0%}): engines on devices of their own (roles.*.device_mapping, "
-            "disaggregated) do not move, and then asynchronous training (rollout.max_staleness: 1) can overlap them "
-            "with the trainer")
+    diagnosis.levers += _cost_levers(step_s or 1.0, switching, old, config.algorithm.old_logprobs == "exact", k)
     planner = _planner_line(run_dir, config) if diagnosis.levers else None
     if planner:
         diagnosis.levers.append(planner)
-    if config.algorithm.old_logprobs == "exact" and old / (step_s or 1.0) >= SHARE / 2:
-        diagnosis.levers.append(
-            f"exact old logprobs cost {old:.3f} s a step ({old / (step_s or 1.0):.0%}: a forward pass per policy "
-            f"version that sampled the batch); algorithm.old_logprobs: current saves it, at the price of the "
-            f"staleness correction ({'fine at' if k <= 1 else 'risky at'} max_staleness {k}: docs/async.md)")
     return diagnosis
+
+
+def _cost_levers(step: float, switching: float, old: float, exact: bool, k: int) -> list[str]:
+    """What the rest of the step is spent on, where it is worth acting on: colocated roles moving between phases,
+    exact old logprobs."""
+    levers = []
+    if switching / step >= SHARE:
+        levers.append(f"colocated roles moving off and onto their devices between phases take {switching:.3f} s of "
+                      f"the step ({switching / step:.0%}): engines on devices of their own (roles.*.device_mapping, "
+                      "disaggregated) do not move, and then asynchronous training (rollout.max_staleness: 1) can "
+                      "overlap them with the trainer")
+    if exact and old / step >= SHARE / 2:
+        levers.append(f"exact old logprobs cost {old:.3f} s a step ({old / step:.0%}: a forward pass per policy "
+                      f"version that sampled the batch); algorithm.old_logprobs: current saves it, at the price of "
+                      f"the staleness correction ({'fine at' if k <= 1 else 'risky at'} max_staleness {k}: "
+                      "docs/async.md)")
+    return levers
 
 
 def _planner_line(run_dir: Path, config) -> str | None:
