@@ -23,11 +23,12 @@ excluded). Prints one JSON line.
 machine: the quickstart scored by `http_judge` against a local judge server (a thread of this process) that
 answers each sample after a log-normal delay (median `--judge-delay-s`, as an LLM judge behind an API would)
 with the quickstart's own verdict (`math_answer`: 10 for a right sum, 0 otherwise), 128 requests in flight.
-`sync` is the quickstart's hybrid engine; `async` (`max_staleness: 1`) puts the trainer on both cores (devices
-0 and 1) and the engine worker on a third device that shares core 0 (`cluster.num_devices: 3`): the engine's
+`sync` is the quickstart's hybrid engine; `async` (`max_staleness: 1`, or `--max-staleness`) puts the trainer on
+both cores (devices 0 and 1) and the engine worker on a third device that shares core 0 (`cluster.num_devices: 3`): the engine's
 short decode and the judge's waiting overlap the trainer's step. Both runs train `--steps` steps and are
 evaluated on the same 200 held-out sums; the line has `io_bound_async_speedup` and both accuracies, and the
-same for `async_exact` (`algorithm.old_logprobs: exact`).
+same for `async_exact` (`algorithm.old_logprobs: exact`). `--runs-dir` keeps the runs' directories, for
+`rollflow diagnose DIR/sync` (docs/async.md).
 
 Usage: python bench/async_speedup.py [--steps 40] [--max-staleness 2] [--long-tokens 32] [--only sync,async]
        python bench/async_speedup.py --workload io_bound [--steps 120] [--judge-delay-s 0.3] [--runs-dir DIR]
