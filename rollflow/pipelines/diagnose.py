@@ -104,13 +104,14 @@ def diagnose(run_dir: Path) -> Diagnosis:
     reward_wait, train, sync = _median(steps, "time/reward_wait"), _median(steps, "time/train"), _median(
         steps, "sync/seconds")
     rest = max(0.0, step_s - rollout - train - sync)
-    old = _median(steps, "time/old_logprobs")
+    old, reference = _median(steps, "time/old_logprobs"), _median(steps, "time/reference")
     parts = {"waiting for the rollout": rollout, "  of which the last tenth of groups": min(tail, rollout),
              "  of which rewards, nothing generating": min(reward_wait, rollout), "training": train,
              "weight sync": sync, "the rest (logprobs, advantages, logs)": rest}
-    for key, name in (("time/old_logprobs", "old logprobs"), ("time/reference", "reference logprobs")):
+    for key, name, seconds in (("time/old_logprobs", "old logprobs", old),
+                               ("time/reference", "reference logprobs", reference)):
         if any(key in row for row in steps):  # runs from before these were logged lack them
-            parts[f"  of which {name}"] = min(_median(steps, key), rest)
+            parts[f"  of which {name}"] = min(seconds, rest)
     # colocated roles moving off and onto their devices between phases (`time/<phase>_offload_onload`)
     switching = statistics.median(sum(v for k, v in row.items() if k.endswith("_offload_onload")) for row in steps)
     if switching:
@@ -149,19 +150,19 @@ def _planner_line(run_dir: Path, config) -> str | None:
     plan_file = run_dir.parent / "plan.json"
     try:
         result = json.loads(plan_file.read_text()) if plan_file.is_file() else None
-        found = {c["name"]: c for c in result["candidates"]} if result else {}
-        best, synchronous = found[result["best"]], next(c for c in found.values() if c["max_staleness"] == 0)
-    except (OSError, ValueError, KeyError, TypeError, StopIteration):  # not a plan's run, or a plan.json cut short
-        found = {}
-    if found:
-        line = (f"the planner's simulation ({plan_file}) of {len(found)} placements on {result['gpus']} "
-                f"{result['profile']} GPUs: the fastest is {best['describe']}, "
-                f"{best['samples_per_s'] / synchronous['samples_per_s']:.2f}x the synchronous one")
-        this = found.get(run_dir.name)
-        if this is not None and this is not best:
-            line += (f"; this run ({this['describe']}) is "
-                     f"{this['samples_per_s'] / synchronous['samples_per_s']:.2f}x")
-        return line
+        if result:
+            found = {c["name"]: c for c in result["candidates"]}
+            best, synchronous = found[result["best"]], next(c for c in found.values() if c["max_staleness"] == 0)
+            over = {name: c["samples_per_s"] / synchronous["samples_per_s"] for name, c in found.items()}
+            line = (f"the planner's simulation ({plan_file}) of {len(found)} placements on {result['gpus']} "
+                    f"{result['profile']} GPUs: the fastest is {best['describe']}, {over[best['name']]:.2f}x the "
+                    "synchronous one")
+            this = found.get(run_dir.name)
+            if this is not None and this is not best:
+                line += f"; this run ({this['describe']}) is {over[this['name']]:.2f}x"
+            return line
+    except (OSError, ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError):
+        pass  # not a plan's run, or a plan.json cut short or of another shape: as if there were none
     if config.cluster.device != "sim":
         return None
     gpus = config.cluster.num_devices
@@ -175,7 +176,7 @@ def _levers(d: Diagnosis, rollout: float, tail: float, reward_wait: float, train
     levers, step = [], d.step_s or 1.0
     rollout_bound, train_bound = rollout / step >= SHARE, train / step >= SHARE
     waits = min(rollout, reward_wait + tail)  # what the rollout spends waiting rather than generating
-    predicted = max(rollout - min(tail, rollout), train) + sync + rest  # the step with K = 1
+    predicted = max(rollout - min(tail, rollout), train, 1e-9) + sync + rest  # the step with K = 1
     gain = (f"predicted step {predicted:.3f} s, {step / predicted:.2f}x (if training keeps its time, and before "
             "staleness's cost in learning per step)")
     if d.max_staleness == 0 and rollout_bound and waits / step >= SHARE:

@@ -126,6 +126,9 @@ def test_a_simulated_run_gets_the_planners_predicted_gain(tmp_path):
     assert levers[-1] == (f"the planner's simulation ({plan_dir}/plan.json) of 2 placements on 8 h800-7b GPUs: the "
                           "fastest is asynchronous (max_staleness 1): 4 GPUs train, 4 engines, 2.00x the synchronous "
                           "one; this run (synchronous, trainer and 8 engines colocated on all 8 GPUs) is 1.00x")
+    for broken in ('{"candidates": [{"name": "x"}], "best": "x"}', '{"profile": "h800-7b", "gp'):  # not a plan's
+        (plan_dir / "plan.json").write_text(broken)
+        assert diagnose(run_dir).levers[-1].startswith("to predict each lever's gain on this simulated cluster")
     # a run on this machine's devices gets no planner line: the planner simulates a profile, not this machine
     assert not any("planner" in lever or "rollflow plan" in lever
                    for lever in _levers(tmp_path / "cpu", ["rollout.deterministic=false"], step=80.0, rollout=67.0,
