@@ -94,7 +94,11 @@ def main() -> int:
         parser.error("give the command to measure after --")
     seen: dict = {}
     began, busy = time.monotonic(), busy_ticks()
-    process = subprocess.Popen(command)
+    try:
+        process = subprocess.Popen(command)
+    except OSError as err:  # no such program, not executable
+        print(f"cpu_by_process: cannot run {command[0]!r}: {err.strerror}", file=sys.stderr)
+        return 2
     snapshot(seen, process.pid, first=True)
     while process.poll() is None:
         time.sleep(1.0)
