@@ -15,6 +15,9 @@ most `max_new_simulated_tokens` when that is set (a limit `token_scale` does not
 the config's own); its payload holds one random token id per `token_scale` simulated tokens or part of them,
 EOS last when it stopped, each with a logprob and the policy version of the weights that were loaded when its
 first simulated token was sampled.
+A sample aborted part-way and sent again as a new request whose prompt is its prompt plus its payload so far (the
+core's `resubmit`) continues the same sample: it decodes what was left of its drawn length (within the new
+request's limit) instead of drawing a length afresh, as a real engine continuing the text would.
 A weight load pauses decoding for the profile's sync time (vLLM pauses its scheduler too) and later tokens
 carry the new version; `sleep` / `wake` cost the profile's offload / onload time.
 """
@@ -26,7 +29,7 @@ import json
 import math
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from rollflow.engines.base import Completion, CompletionOutput, GenerationReques
 from rollflow.engines.lifecycle import EngineLifecycle
 from rollflow.models import load_tokenizer, resolve_model_path
 from rollflow.sim.profiles import SimSettings, length_distribution
+
+MAX_CONTINUATIONS = 65_536  # aborted samples remembered for a resubmission (the oldest forgotten first)
 
 
 @dataclass(eq=False)
@@ -113,6 +118,8 @@ class SimEngine:
         self._segment: _Segment | None = None
         self._changed: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
+        # samples aborted part-way, by their prompt + payload so far: (simulated tokens left, how they end)
+        self._continuations: OrderedDict[tuple[int, ...], tuple[int, str]] = OrderedDict()
 
     @property
     def version(self) -> int:
@@ -265,14 +272,19 @@ class SimEngine:
             pending.admitted = time.perf_counter()
             pending.unfinished = params.n
             pending.outputs = unstarted_outputs(pending)  # "abort" until each row finishes
+            continued = self._continuations.pop(tuple(pending.request.prompt_ids), None) if params.n == 1 else None
             for slot in range(params.n):
                 rng = random.Random(sample_seed(params.seed, slot)) if params.seed is not None \
                     else random.Random(self.rng.getrandbits(63))
-                drawn = max(self.lengths.draw(rng), params.min_new_tokens * scale)
                 limit = params.max_new_tokens * scale
                 if self.max_new_simulated_tokens is not None:
                     limit = min(limit, self.max_new_simulated_tokens)
-                target, reason = (drawn, "stop") if drawn < limit else (limit, "length")
+                if continued is not None:  # the rest of an aborted sample (see the module docstring)
+                    left, ending = continued
+                    target, reason = (left, ending) if left < limit else (limit, "length")
+                else:
+                    drawn = max(self.lengths.draw(rng), params.min_new_tokens * scale)
+                    target, reason = (drawn, "stop") if drawn < limit else (limit, "length")
                 self._rows.append(_Row(pending, slot, target, reason, prompt, rng,
                                        versions=[(0, self._lifecycle.version)]))
         self.stats["prefill_tokens"] += prompt_tokens
@@ -296,6 +308,11 @@ class SimEngine:
             first = index * scale  # a payload token carries the version of its first simulated token
             versions.append(next(v for start, v in reversed(marks) if start <= first))
         logprobs = [-row.rng.uniform(0.01, 3.0) for _ in range(length)]
+        if reason == "abort" and row.done < row.target:  # a resubmission of it continues from here
+            self._continuations[(*row.pending.request.prompt_ids, *token_ids)] = (
+                max(1, row.target - length * scale), row.reason)
+            while len(self._continuations) > MAX_CONTINUATIONS:  # cut samples that nobody continues
+                self._continuations.popitem(last=False)
         row.pending.outputs[row.slot] = CompletionOutput(token_ids, logprobs, versions, reason)
         row.pending.unfinished -= 1
         if row.pending.unfinished == 0:

@@ -172,3 +172,47 @@ def test_sleep_refuses_generation_until_wake_and_close_resolves_everything():
         return await task
 
     assert asyncio.run(closed_mid_run()).outputs[0].finish_reason == "abort"
+
+
+def test_a_resubmitted_sample_continues_its_own_length(monkeypatch):
+    """The core's `resubmit`: a sample aborted part-way comes back as prompt + its tokens so far, with what is left
+    of its budget. The engine continues that sample (what is left of its 2,000 tokens), not a new one (a fresh
+    draw would add 2,000 more); a request with another prompt still draws its own."""
+    clock = _Clock()
+    monkeypatch.setattr("rollflow.engines.sim.time", clock)
+    engine = _sim(time_scale=50.0, overrides={"sync_fixed_s": 0.0, "model_bytes": 0})
+    engine.lengths = engine.lengths.__class__("fixed", median=2000)
+    prompt, budget = [3] * 4, 5000
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate(GenerationRequest("s", prompt, SamplingParams(budget))))
+        for _ in range(100):  # a few turns of the loop: the engine admits it, and it decodes from clock 0 on
+            if engine.stats["prefill_tokens"]:
+                break
+            await asyncio.sleep(0)
+        clock.now += 0.3  # part of the way
+        engine.abort(["s"])
+        first = (await asyncio.wait_for(task, 60)).outputs[0]
+        prefix = first.token_ids
+        rest = await _with_time_passing(engine.generate(GenerationRequest(
+            "s-again", prompt + prefix, SamplingParams(budget - len(prefix)))))
+        other = await _with_time_passing(engine.generate(GenerationRequest("t", [5] * 4, SamplingParams(budget))))
+        return first, rest.outputs[0], other.outputs[0]
+
+    async def _with_time_passing(generation):
+        """Await `generation` while the test's clock runs ahead (a simulated minute every few milliseconds)."""
+        task = asyncio.ensure_future(generation)
+        for _ in range(10_000):  # a hang guard: it takes a few turns
+            if task.done():
+                return task.result()
+            clock.now += 1.0
+            if engine._changed is not None:
+                engine._changed.set()  # the engine looks at the clock again now, not at its next timeout
+            await asyncio.sleep(0.001)
+        raise AssertionError("the simulated generation never finished")
+
+    first, rest, other = asyncio.run(main())
+    assert first.finish_reason == "abort" and 0 < len(first.token_ids) < 2000
+    assert rest.finish_reason == "stop" and len(first.token_ids) + len(rest.token_ids) == 2000
+    assert rest.token_ids[-1] == engine.eos_id
+    assert len(other.token_ids) == 2000 and not engine._continuations  # drawn afresh; nothing left over
