@@ -118,8 +118,9 @@ class SimEngine:
         self._segment: _Segment | None = None
         self._changed: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
-        # samples aborted part-way, by their prompt + payload so far: (simulated tokens left, how they end)
-        self._continuations: OrderedDict[tuple[int, ...], tuple[int, str]] = OrderedDict()
+        # samples aborted part-way, by the hash of their prompt + payload so far (a few bytes each, however long):
+        # (simulated tokens left, how they end)
+        self._continuations: OrderedDict[int, tuple[int, str]] = OrderedDict()
 
     @property
     def version(self) -> int:
@@ -272,7 +273,8 @@ class SimEngine:
             pending.admitted = time.perf_counter()
             pending.unfinished = params.n
             pending.outputs = unstarted_outputs(pending)  # "abort" until each row finishes
-            continued = self._continuations.pop(tuple(pending.request.prompt_ids), None) if params.n == 1 else None
+            continued = self._continuations.pop(hash(tuple(pending.request.prompt_ids)), None) if params.n == 1 \
+                else None
             for slot in range(params.n):
                 rng = random.Random(sample_seed(params.seed, slot)) if params.seed is not None \
                     else random.Random(self.rng.getrandbits(63))
@@ -309,7 +311,7 @@ class SimEngine:
             versions.append(next(v for start, v in reversed(marks) if start <= first))
         logprobs = [-row.rng.uniform(0.01, 3.0) for _ in range(length)]
         if reason == "abort" and row.done < row.target:  # a resubmission of it continues from here
-            self._continuations[(*row.pending.request.prompt_ids, *token_ids)] = (
+            self._continuations[hash((*row.pending.request.prompt_ids, *token_ids))] = (
                 max(1, row.target - length * scale), row.reason)
             while len(self._continuations) > MAX_CONTINUATIONS:  # cut samples that nobody continues
                 self._continuations.popitem(last=False)
