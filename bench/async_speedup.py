@@ -23,9 +23,9 @@ excluded). Prints one JSON line.
 machine: the quickstart scored by `http_judge` against a local judge server (a thread of this process) that
 answers each sample after a log-normal delay (median `--judge-delay-s`, as an LLM judge behind an API would)
 with the quickstart's own verdict (`math_answer`: 10 for a right sum, 0 otherwise), 128 requests in flight.
-`sync` is the quickstart's hybrid engine; `async` (`max_staleness: 1`, or `--max-staleness`) puts the trainer on
-both cores (devices 0 and 1) and the engine worker on a third device that shares core 0 (`cluster.num_devices: 3`): the engine's
-short decode and the judge's waiting overlap the trainer's step. Both runs train `--steps` steps and are
+`sync` is the quickstart's hybrid engine; `async` (`max_staleness` `--max-staleness`, default 1) puts the trainer
+on both cores (devices 0 and 1) and the engine worker on a third device that shares core 0
+(`cluster.num_devices: 3`): the engine's short decode and the judge's waiting overlap the trainer's step. Both runs train `--steps` steps and are
 evaluated on the same 200 held-out sums; the line has `io_bound_async_speedup` and both accuracies, and the
 same for `async_exact` (`algorithm.old_logprobs: exact`). `--runs-dir` keeps the runs' directories, for
 `rollflow diagnose DIR/sync` (docs/async.md).
@@ -124,8 +124,7 @@ def io_bound_config(steps: int, url: str) -> dict:
 
 IO_BOUND_VARIANTS = {
     "sync": {},
-    "async": {"rollout": {"max_staleness": 1},  # `--max-staleness` sets K
-              "cluster": {"num_devices": 3, "num_cpus": 3},  # device 2 is core 0 again: it shares the trainer's cores
+    "async": {"cluster": {"num_devices": 3, "num_cpus": 3},  # device 2 is core 0 again: it shares the trainer's cores
               "roles": {"actor_train": {"num_cpus": 2, "device_mapping": [0, 1]},
                         "actor_infer": {"hybrid": False, "num_cpus": 1, "device_mapping": [2]}}},
 }
@@ -145,8 +144,7 @@ def io_bound(args) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             runs = Path(args.runs_dir or tmp)
-            bound = {"rollout": {"max_staleness": args.max_staleness}}
-            asynchronous = merged(IO_BOUND_VARIANTS["async"], bound)
+            asynchronous = merged(IO_BOUND_VARIANTS["async"], {"rollout": {"max_staleness": args.max_staleness}})
             variants = {"sync": IO_BOUND_VARIANTS["sync"], "async": asynchronous,
                         "async_exact": merged(asynchronous, EXACT)}
             for name, change in variants.items():
